@@ -28,13 +28,14 @@ CONFIG_KEY = "eagle_aux_hidden_state_layer_ids"
 
 def default_capture_indices(num_layers: int) -> tuple[int, int, int]:
     """The EAGLE-3 default ``(2, N // 2, N - 3)`` for a target with ``num_layers`` decoder layers."""
-    if num_layers < 5:
+    indices = (2, num_layers // 2, num_layers - 3)
+    if not indices[0] < indices[1] < indices[2]:
         raise ValueError(
-            f"the default EAGLE-3 capture indices (2, N//2, N-3) need a target with at least 5 decoder layers "
-            f"so that they are distinct and increasing; this target has {num_layers}. Pass explicit "
-            f"capture indices (draft config key '{CONFIG_KEY}')."
+            f"the default EAGLE-3 capture indices (2, N//2, N-3) = {indices} are not distinct and increasing for "
+            f"a target with N={num_layers} decoder layers (N >= 7 is needed). Pass explicit capture indices "
+            f"(draft config key '{CONFIG_KEY}')."
         )
-    return (2, num_layers // 2, num_layers - 3)
+    return indices
 
 
 def validate_capture_indices(indices: Sequence[int], num_layers: int) -> tuple[int, ...]:

@@ -1,0 +1,38 @@
+"""eagle_compile: EAGLE 3.1 speculative decoding for PyTorch language models, as a torch.compile backend.
+
+    compiled = torch.compile(model, backend="eagle31", options={"draft": "path/to/eagle3.1-head"})
+    out = compiled.generate(input_ids, max_new_tokens=256)     # same tokens as model.generate
+
+The public names are imported lazily so that `import eagle_compile` stays cheap.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from eagle_compile.options import EagleOptions
+    from eagle_compile.runtime.generate import generate
+    from eagle_compile.targets import load_default_target
+
+_LAZY = {
+    "generate": ("eagle_compile.runtime.generate", "generate"),
+    "EagleOptions": ("eagle_compile.options", "EagleOptions"),
+    "load_default_target": ("eagle_compile.targets", "load_default_target"),
+    "load_draft": ("eagle_compile.draft.checkpoint", "load_draft"),
+    "save_draft": ("eagle_compile.draft.checkpoint", "save_draft"),
+    "EagleDraftModel": ("eagle_compile.draft.model", "EagleDraftModel"),
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'eagle_compile' has no attribute {name!r}")

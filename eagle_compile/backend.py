@@ -1,0 +1,78 @@
+"""The `eagle31` torch.compile backend (registered through the `torch_dynamo_backends` entry point).
+
+`torch.compile(model, backend="eagle31", options={...})` works without importing eagle_compile: torch looks the
+name up in the entry-point group when `torch.compile` is called, which imports this module.
+
+* `compiled(...)` (the plain forward): dynamo hands us the target's FX graph; `locate_layers` checks that it is a
+  decoder we can speculate on (a clear error otherwise) and the graph runs unchanged, so the call still
+  returns the target's logits.
+* `compiled.generate(...)`: `torch.compile` wraps the model in an `OptimizedModule`, which forwards unknown
+  attributes to the original model, so `compiled.generate` would be HF's plain decoding loop. Importing this
+  module wraps `OptimizedModule.__getattr__` once: for a module compiled with *this* backend, `generate`
+  resolves to `eagle_compile.generate` bound to the original model and to the options given to torch.compile.
+  Every other compiled module is untouched. The speculative step itself is then captured by dynamo with the
+  same passes (see `runtime/target_program.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch._dynamo.eval_frame import OptimizedModule, innermost_backend
+
+from eagle_compile.errors import OptionsError
+from eagle_compile.options import EagleOptions, parse_options
+from eagle_compile.passes import PassContext, locate_layers
+from eagle_compile.runtime.target_program import lower
+
+BACKEND_NAME = "eagle31"
+
+
+def eagle31_backend(gm: torch.fx.GraphModule, example_inputs: list, *, options: dict | None = None,
+                    mode: str | None = None) -> Callable:
+    """Backend entry: validate the options, check the graph is a decoder, run it (eager or inductor)."""
+    opts = _options(options, mode)
+    ctx = PassContext()
+    locate_layers(gm, ctx)
+    return lower(gm, example_inputs, opts.inner_backend)
+
+
+def _options(options: dict | None, mode: str | None) -> EagleOptions:
+    if mode not in (None, "default"):
+        raise OptionsError(f"mode={mode!r} is not supported by the eagle31 backend; pass options={{...}} "
+                           "(torch.compile does not allow mode and options together)")
+    return parse_options(options)
+
+
+def compiled_options(module: Any) -> EagleOptions | None:
+    """The eagle31 options of a module returned by torch.compile(..., backend="eagle31"), else None."""
+    if not isinstance(module, OptimizedModule):
+        return None
+    wrapper = innermost_backend(module.dynamo_ctx.callback)
+    if getattr(wrapper, "compiler_fn", None) is not eagle31_backend:
+        return None
+    return parse_options(wrapper.kwargs.get("options"))
+
+
+def _install_generate_hook() -> None:
+    original = OptimizedModule.__getattr__
+    if getattr(original, "_eagle31_hook", False):
+        return
+
+    def __getattr__(self, name: str):
+        if name == "generate":
+            opts = compiled_options(self)
+            if opts is not None:
+                from eagle_compile.runtime.generate import generate
+
+                return functools.partial(generate, self._orig_mod, options=opts)
+        return original(self, name)
+
+    __getattr__._eagle31_hook = True
+    OptimizedModule.__getattr__ = __getattr__
+
+
+_install_generate_hook()

@@ -1,0 +1,61 @@
+"""The interface between the speculative runtime and whatever proposes draft tokens.
+
+The runtime never calls the draft head directly: it goes through a `Drafter`, so that tests can plug in an
+oracle (proposes the target's own continuation) or an adversarial drafter with the same tree, masks and slots,
+and so that the head can later be swapped for its lowered (fused) form.
+
+A draft forward takes, per position, a hidden input (target features for catch-up, `fuse=True`; the previous
+step's feedback otherwise), the next token, its RoPE position, the draft-cache slot it writes, and an additive
+mask over draft-cache slots. It returns the feedback carried to the next step and the head input (`norm(o)`),
+from which `log_probs` gives draft-vocabulary log-probabilities.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+
+class Drafter(Protocol):
+    draft_vocab_size: int
+
+    def new_state(self, batch: int, slots: int, *, dtype: torch.dtype, device: torch.device) -> Any: ...
+
+    def forward(self, state: Any, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                write_slots: torch.Tensor, mask: torch.Tensor, *, fuse: bool
+                ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def log_probs(self, head_input: torch.Tensor) -> torch.Tensor: ...
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass
+class EagleDrafter:
+    """`Drafter` backed by an `EagleDraftModel` (EAGLE-3 / EAGLE 3.1 head)."""
+
+    model: torch.nn.Module
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.model.config.draft_vocab_size
+
+    def new_state(self, batch: int, slots: int, *, dtype: torch.dtype, device: torch.device):
+        return self.model.new_kv(batch, slots, dtype=dtype, device=device)
+
+    @torch.no_grad()
+    def forward(self, state, hidden, tokens, positions, write_slots, mask, *, fuse):
+        if fuse:
+            hidden = self.model.fuse(hidden)   # [B, T, A*Ht] -> [B, T, H]
+        out = self.model(tokens, hidden, positions, state, write_slots, mask)
+        return out.feedback, out.normed
+
+    @torch.no_grad()
+    def log_probs(self, head_input: torch.Tensor) -> torch.Tensor:
+        logits = self.model.logits(head_input)
+        return torch.log_softmax(logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits, -1)
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.draft_to_target(draft_ids)

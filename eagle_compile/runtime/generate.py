@@ -1,0 +1,212 @@
+"""`eagle_compile.generate`: speculative decoding with Hugging Face `generate` semantics.
+
+Three doors lead here, all to the same function:
+
+* `eagle_compile.generate(model, input_ids, draft=..., **generation_kwargs)`;
+* `model.generate(input_ids, custom_generate=eagle_compile.generate, draft=..., ...)`: transformers prepares
+  the generation config, logits processors and stopping criteria, then calls us in place of its decoding loop
+  (our extra parameters, e.g. `draft` and `options`, are routed to us because they are in our signature);
+* `torch.compile(model, backend="eagle31", options={...}).generate(...)`: see `eagle_compile.backend`.
+
+What comes back is what HF returns: the input ids (padding kept) followed by the new tokens, finished rows
+padded with `pad_token_id`; with `return_dict_in_generate=True` an `EagleGenerateOutput` that also carries the
+output attention mask and the statistics.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation import (
+    EosTokenCriteria,
+    LogitsProcessorList,
+    MaxLengthCriteria,
+    StopStringCriteria,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from eagle_compile.draft.drafter import Drafter, EagleDrafter
+from eagle_compile.errors import UnsupportedGenerationError
+from eagle_compile.options import EagleOptions, parse_options
+from eagle_compile.runtime.decoder import SpeculativeDecoder
+from eagle_compile.runtime.sampling import SamplingParams
+from eagle_compile.runtime.stats import GenerationStats
+from eagle_compile.runtime.stopping import StopChecker
+
+_IMPLIED_PROCESSORS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+_NATIVE_CRITERIA = (MaxLengthCriteria, EosTokenCriteria)
+_UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+_decoders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class EagleGenerateOutput(GenerateDecoderOnlyOutput):
+    """HF's decoder-only output plus the attention mask of `sequences` and the speculative statistics."""
+
+    attention_mask: torch.Tensor | None = None
+    stats: GenerationStats | None = None
+
+
+def generate(model, input_ids: torch.Tensor | None = None, logits_processor=None, stopping_criteria=None,
+             generation_config: GenerationConfig | None = None, *, draft: Any = None, options: Any = None,
+             tokenizer=None, generator: torch.Generator | None = None, **kwargs):
+    """Speculative generation, lossless with respect to `model.generate` (same tokens when greedy, same
+    distribution when sampling).
+
+    Args:
+        model: a Hugging Face decoder-only causal LM (Llama, Qwen2, Qwen3, Mistral, SmolLM), or the module that
+            `torch.compile(model, backend="eagle31")` returned.
+        input_ids: [B, L] prompt ids; with `attention_mask` [B, L] for a padded (left or right) batch.
+        draft: an EAGLE-3 / EAGLE 3.1 checkpoint folder, an `EagleDraftModel`, or any `Drafter`
+            (defaults to `options["draft"]`).
+        options: `EagleOptions` or its dict (tree shape, buckets, ...).
+        tokenizer: needed for `stop_strings`.
+        generator: torch.Generator for sampling (default: torch's global RNG, like HF).
+        **kwargs: generation settings (max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,
+            stop_strings, return_dict_in_generate, attention_mask, ...).
+    """
+    model = getattr(model, "_orig_mod", model)
+    opts = parse_options(options)
+    attention_mask = kwargs.pop("attention_mask", None)
+    if kwargs.pop("streamer", None) is not None:
+        raise UnsupportedGenerationError("streamer is not supported by eagle_compile.generate")
+    for prepared_by_hf in ("use_cache", "logits_to_keep", "cache", "past_key_values", "synced_gpus", "position_ids"):
+        kwargs.pop(prepared_by_hf, None)   # HF's own cache plumbing; we run on our static caches
+    from_hf = generation_config is not None and stopping_criteria is not None
+    if not from_hf:
+        generation_config, kwargs = _generation_config(model, generation_config, kwargs)
+    if kwargs:
+        raise UnsupportedGenerationError(
+            f"unknown or unsupported generation argument(s) {sorted(kwargs)}; eagle_compile.generate takes "
+            "HF generation settings (max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, "
+            "stop_strings, ...) plus draft=, options=, tokenizer=, generator="
+        )
+    _refuse_unsupported_outputs(generation_config)
+    _check_processors(logits_processor)
+    sampling = SamplingParams.from_generation_config(generation_config)
+    prompts, attention_mask = _split_rows(input_ids, attention_mask)
+    stopper = _stopper(model, prompts, input_ids.shape[1], generation_config, stopping_criteria, tokenizer)
+    decoder = _decoder(model, draft if draft is not None else opts.draft, opts)
+    stats = decoder.generate(prompts, stopper, sampling, generator)
+    return _assemble(input_ids, attention_mask, stopper, generation_config, stats)
+
+
+# -- configuration -----------------------------------------------------------------------------------------------
+def _generation_config(model, generation_config, kwargs):
+    base = copy.deepcopy(generation_config or model.generation_config)
+    unused = base.update(**kwargs)
+    base.validate()
+    return base, unused
+
+
+def _refuse_unsupported_outputs(gc: GenerationConfig) -> None:
+    asked = [k for k in _UNSUPPORTED_OUTPUTS if getattr(gc, k, False)]
+    if asked:
+        raise UnsupportedGenerationError(f"{asked} are not produced by speculative decoding; drop them "
+                                         "(return_dict_in_generate=True gives sequences, attention_mask and stats)")
+
+
+def _check_processors(logits_processor) -> None:
+    """HF hands us the processors it built from the generation config (temperature, top-k, top-p), which
+    `SamplingParams` reproduces; anything else would change the target distribution, so we refuse it."""
+    for proc in logits_processor or LogitsProcessorList():
+        if not isinstance(proc, _IMPLIED_PROCESSORS):
+            raise UnsupportedGenerationError(
+                f"logits processor {type(proc).__name__} is not supported by speculative decoding (only "
+                "temperature, top_k and top_p); remove it or decode with plain model.generate"
+            )
+
+
+def _split_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
+    if input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError("input_ids must be a non-empty [batch, length] tensor of token ids")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} differs from input_ids "
+                         f"{tuple(input_ids.shape)}")
+    prompts = []
+    for row, m in zip(input_ids, attention_mask):
+        keep = m.bool()
+        idx = keep.nonzero()[:, 0]
+        if idx.numel() == 0:
+            raise ValueError("a batch row has an all-zero attention_mask (empty prompt)")
+        if int(idx[-1] - idx[0] + 1) != idx.numel():
+            raise ValueError("attention_mask has holes inside a row; only left or right padding is supported")
+        prompts.append(row[keep].long())
+    return prompts, attention_mask
+
+
+def _stopper(model, prompts, padded_len, gc: GenerationConfig, stopping_criteria, tokenizer) -> StopChecker:
+    if gc.max_new_tokens is not None:
+        max_new = gc.max_new_tokens
+    else:
+        max_new = gc.max_length - padded_len
+    eos = gc.eos_token_id
+    eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    criteria = [c for c in (stopping_criteria or []) if not isinstance(c, _NATIVE_CRITERIA)]
+    if gc.stop_strings and not any(isinstance(c, StopStringCriteria) for c in criteria):
+        if tokenizer is None:
+            raise UnsupportedGenerationError("stop_strings needs the tokenizer: pass tokenizer=...")
+        criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=gc.stop_strings))
+    return StopChecker(prompts, max_new_tokens=max_new, eos_token_ids=eos, criteria=criteria)
+
+
+# -- draft and decoder ------------------------------------------------------------------------------------------
+def _decoder(model, draft, opts: EagleOptions) -> SpeculativeDecoder:
+    if draft is None:
+        raise UnsupportedGenerationError(
+            "no draft head: pass draft= (an EAGLE-3/3.1 checkpoint folder or EagleDraftModel) or "
+            "options={'draft': ...}"
+        )
+    per_model = _decoders.setdefault(model, {})
+    key = (_draft_key(draft), tuple(sorted((k, repr(v)) for k, v in opts.as_dict().items() if k != "draft")))
+    if key not in per_model:
+        drafter, indices = _drafter(model, draft)
+        per_model[key] = SpeculativeDecoder(model, drafter, opts, indices)
+    return per_model[key]
+
+
+def _draft_key(draft) -> Any:
+    return str(Path(draft).resolve()) if isinstance(draft, (str, Path)) else id(draft)
+
+
+def _drafter(model, draft) -> tuple[Drafter, tuple[int, ...] | None]:
+    if isinstance(draft, (str, Path)):
+        from eagle_compile.draft.checkpoint import load_draft
+
+        dtype = next(model.parameters()).dtype
+        draft = load_draft(draft, target=model, dtype=dtype, device=next(model.parameters()).device)
+    if hasattr(draft, "new_state") and hasattr(draft, "log_probs"):
+        return draft, getattr(draft, "capture_indices", None)
+    head = EagleDrafter(draft)
+    return head, tuple(draft.config.capture_indices) if draft.config.capture_indices is not None else None
+
+
+# -- output ------------------------------------------------------------------------------------------------------
+def _assemble(input_ids, attention_mask, stopper: StopChecker, gc: GenerationConfig, stats: GenerationStats):
+    pad = gc.pad_token_id
+    if pad is None:
+        eos = gc.eos_token_id
+        pad = eos if isinstance(eos, int) else (eos[0] if eos else 0)
+    width = max(len(g) for g in stopper.generated)
+    batch = input_ids.shape[0]
+    new = torch.full((batch, width), int(pad), dtype=input_ids.dtype, device=input_ids.device)
+    new_mask = torch.zeros((batch, width), dtype=attention_mask.dtype, device=input_ids.device)
+    for b, g in enumerate(stopper.generated):
+        new[b, :len(g)] = torch.tensor(g, dtype=input_ids.dtype)
+        new_mask[b, :len(g)] = 1
+    sequences = torch.cat([input_ids, new], 1)
+    if gc.return_dict_in_generate:
+        return EagleGenerateOutput(sequences=sequences, attention_mask=torch.cat([attention_mask, new_mask], 1),
+                                   stats=stats)
+    return sequences

@@ -1,0 +1,35 @@
+"""Statistics of one speculative generate call: acceptance length per cycle, its histogram, timings."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    """`acceptance_lengths`: tokens emitted per row per cycle (accepted draft tokens + 1 bonus), before stops
+    cut a block. `tau` is their mean. Times are wall-clock seconds (host side; CPU runs are synchronous)."""
+
+    tree: dict = field(default_factory=dict)
+    acceptance_lengths: list[int] = field(default_factory=list)
+    cycles: int = 0
+    prefill_time: float = 0.0
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    accept_time: float = 0.0
+    new_tokens: int = 0
+    graphs_captured: int = 0
+
+    @property
+    def tau(self) -> float:
+        return sum(self.acceptance_lengths) / max(1, len(self.acceptance_lengths))
+
+    @property
+    def histogram(self) -> dict[int, int]:
+        return dict(sorted(Counter(self.acceptance_lengths).items()))
+
+    def as_dict(self) -> dict:
+        return {"tau": self.tau, "histogram": self.histogram, "cycles": self.cycles, "new_tokens": self.new_tokens,
+                "prefill_time": self.prefill_time, "draft_time": self.draft_time, "verify_time": self.verify_time,
+                "accept_time": self.accept_time, "tree": self.tree, "graphs_captured": self.graphs_captured}

@@ -1,0 +1,76 @@
+"""The target's forward on a `SlotKVCache`, captured by dynamo and rewritten by the eagle31 passes.
+
+This is what verification (and chunked prefill) runs: not the eager model with hooks, but the captured FX graph
+of `model(input_ids, position_ids, 4-D mask, cache=SlotKVCache, write_slots)` after `locate_layers` and
+`tap_features` made the capture-index residual streams extra outputs (COMPILE_FACTS.md §2.7: fullgraph,
+dynamic=False, one graph per static (batch, tokens, slots) shape).
+
+Dynamo's generated code expects the graph's original outputs; the lowered callable returns those and hands the
+tap outputs to the program through `_last_taps`, which `__call__` collects right after the run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from eagle_compile.passes import PassContext, run_passes
+from eagle_compile.runtime.kv_cache import SlotKVCache
+
+
+class TargetProgram:
+    """Callable `(input_ids, position_ids, mask, write_slots, cache) -> (logits [B,T,V], features [B,T,A*Ht])`."""
+
+    def __init__(self, model: torch.nn.Module, capture_indices: tuple[int, ...] | None, *,
+                 inner_backend: str = "eager", recompile_limit: int = 64) -> None:
+        self.model = model
+        self.capture_indices = capture_indices
+        self.inner_backend = inner_backend
+        self.contexts: list[PassContext] = []
+        self._last_taps: tuple[torch.Tensor, ...] | None = None
+        self._compiled = torch.compile(self._forward, backend=self._backend, fullgraph=True, dynamic=False,
+                                       recompile_limit=recompile_limit, isolate_recompiles=True)
+
+    def _forward(self, input_ids, position_ids, mask, write_slots, cache):
+        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, cache=cache,
+                         write_slots=write_slots, use_cache=True)
+        return out.logits
+
+    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        ctx = PassContext(capture_indices=self.capture_indices, architecture=type(self.model).__name__)
+        gm = run_passes(gm, ctx)
+        self.contexts.append(ctx)
+        self.capture_indices = ctx.capture_indices
+        run = lower(gm, example_inputs, self.inner_backend)
+        n_out = ctx.num_original_outputs
+
+        def split_taps(*args):
+            outs = run(*args)
+            self._last_taps = tuple(outs[n_out:])
+            return tuple(outs[:n_out])
+
+        return split_taps
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+                 write_slots: torch.Tensor, cache: SlotKVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        self._last_taps = None
+        logits = self._compiled(input_ids, position_ids, mask, write_slots, cache)
+        taps, self._last_taps = self._last_taps, None
+        if taps is None:
+            raise RuntimeError("the captured target program ran without producing feature taps")
+        return logits, torch.cat(taps, dim=-1)
+
+    @property
+    def graphs_captured(self) -> int:
+        return len(self.contexts)
+
+
+def lower(gm: torch.fx.GraphModule, example_inputs: list, inner_backend: str) -> Callable:
+    """Run a (rewritten) graph: as the FX graph itself, or compiled by inductor."""
+    if inner_backend == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs)
+    return gm.forward

@@ -1,0 +1,87 @@
+"""Tiny random targets and test drafters shared by the tests (float64 by default: argmax ties cannot flip)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+_CLASSES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+}
+
+
+def tiny_target(arch: str = "llama", *, seed: int = 0, vocab: int = 96, layers: int = 8,
+                dtype: torch.dtype = torch.float64):
+    """An 8-layer random decoder (default capture indices (2, 4, 5)), GQA 4/2 heads, head_dim 8."""
+    cfg_cls, model_cls = _CLASSES[arch]
+    cfg = cfg_cls(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                  attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    model = model_cls(cfg).to(dtype).eval()
+    # Random init gives near-uniform logits; sharpen the head so greedy text has structure and ties are rare.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def greedy_reference(model, input_ids, attention_mask=None, max_new_tokens=16, **kwargs) -> torch.Tensor:
+    with torch.no_grad():
+        return model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                              do_sample=False, **kwargs)
+
+
+class ScriptedDrafter:
+    """A `Drafter` that ignores features and proposes from a known continuation of each row.
+
+    `mode="oracle"` proposes the target's own greedy next token (best first); `mode="adversarial"` never
+    proposes it. A draft input at position p predicts the token at index p + 2 of the row's full sequence.
+    """
+
+    def __init__(self, continuations: list[list[int]], vocab: int, mode: str = "oracle") -> None:
+        self.continuations = continuations
+        self.draft_vocab_size = vocab
+        self.mode = mode
+        self.capture_indices = None
+
+    def new_state(self, batch, slots, *, dtype, device):
+        return None
+
+    def forward(self, state, hidden, tokens, positions, write_slots, mask, *, fuse):
+        batch, t = tokens.shape
+        rows = torch.arange(batch)[:, None].expand(batch, t)
+        head = torch.stack([rows, positions], -1).to(torch.float64)     # [B, T, 2]
+        return head, head
+
+    def log_probs(self, head):
+        rows, pos = head[..., 0].long(), head[..., 1].long()
+        want = torch.zeros_like(pos)
+        for idx in range(rows.numel()):
+            r, p = int(rows.view(-1)[idx]), int(pos.view(-1)[idx]) + 2
+            seq = self.continuations[r] if r < len(self.continuations) else []
+            want.view(-1)[idx] = seq[p] if p < len(seq) else 0
+        ids = torch.arange(self.draft_vocab_size)
+        if self.mode == "oracle":
+            logits = -((ids - want[..., None]) % self.draft_vocab_size).double()
+        else:
+            logits = torch.where(ids == want[..., None], -1e4, -(ids.double() % 7))
+        return torch.log_softmax(logits, -1)
+
+    def to_target(self, draft_ids):
+        return draft_ids
