@@ -57,11 +57,11 @@ def _is_layer_class(cls_name: str) -> bool:
 
 
 def _architecture(gm: torch.fx.GraphModule) -> str:
-    """Class name of the outermost nn.Module seen in the graph's module stacks."""
-    best: tuple[int, str] | None = None
-    for node in gm.graph.nodes:
-        for path, cls in (node.meta.get("nn_module_stack") or {}).values():
-            name = getattr(cls, "__name__", str(cls))
-            if best is None or len(path) < best[0]:
-                best = (len(path), name)
-    return best[1] if best else type(gm).__name__
+    """Class names of the outermost modules in the graph's module stacks (dynamo does not record the root
+    module itself; for an HF causal LM this is e.g. `LlamaModel`)."""
+    entries = [(path.count("."), getattr(cls, "__name__", str(cls)))
+               for node in gm.graph.nodes for path, cls in (node.meta.get("nn_module_stack") or {}).values()]
+    if not entries:
+        return "a graph with no nn.Module calls"
+    top = min(depth for depth, _ in entries)
+    return "/".join(sorted({name for depth, name in entries if depth == top}))
