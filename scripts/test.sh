@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Run the whole test suite on a fresh machine: set up .venv (scripts/setup.sh), then pytest.
+# Extra arguments go to pytest (e.g. scripts/test.sh tests/passes -x).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+bash scripts/setup.sh
+export TORCHINDUCTOR_COMPILE_THREADS="${TORCHINDUCTOR_COMPILE_THREADS:-1}"
+exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
