@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from eagle_compile.options import EagleOptions
-    from eagle_compile.runtime.generate import generate
-    from eagle_compile.targets import load_default_target
+    from eagle_compile.options import EagleOptions  # noqa: F401
+    from eagle_compile.runtime.generate import generate  # noqa: F401
+    from eagle_compile.targets import load_default_target  # noqa: F401
 
 _LAZY = {
     "generate": ("eagle_compile.runtime.generate", "generate"),

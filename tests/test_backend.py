@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -58,7 +59,7 @@ def test_bad_option_values_are_refused(bad, words):
 def test_options_are_frozen_and_chain_derives_the_tree():
     opts = parse_options({"chain": 4})
     assert (opts.tree_depth, opts.tree_top_k, opts.tree_tokens) == (4, 1, 5)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         opts.depth = 3
     assert EagleOptions().as_dict()["total_tokens"] == 60
 

@@ -109,6 +109,9 @@ def _generation_config(model, generation_config, kwargs):
 
 
 def _refuse_unsupported_outputs(gc: GenerationConfig) -> None:
+    if (gc.num_return_sequences or 1) > 1:
+        raise UnsupportedGenerationError(f"num_return_sequences={gc.num_return_sequences} is not supported; repeat "
+                                         "the prompt rows instead (rows are independent)")
     asked = [k for k in _UNSUPPORTED_OUTPUTS if getattr(gc, k, False)]
     if asked:
         raise UnsupportedGenerationError(f"{asked} are not produced by speculative decoding; drop them "
@@ -135,7 +138,7 @@ def _split_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
         raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} differs from input_ids "
                          f"{tuple(input_ids.shape)}")
     prompts = []
-    for row, m in zip(input_ids, attention_mask):
+    for row, m in zip(input_ids, attention_mask, strict=True):
         keep = m.bool()
         idx = keep.nonzero()[:, 0]
         if idx.numel() == 0:
@@ -188,6 +191,8 @@ def _drafter(model, draft) -> tuple[Drafter, tuple[int, ...] | None]:
         draft = load_draft(draft, target=model, dtype=dtype, device=next(model.parameters()).device)
     if hasattr(draft, "new_state") and hasattr(draft, "log_probs"):
         return draft, getattr(draft, "capture_indices", None)
+    if draft.embed_tokens.weight is None:
+        draft.tie_target_embedding(model)      # EAGLE-3 heads share the target's (frozen) embedding table
     head = EagleDrafter(draft)
     return head, tuple(draft.config.capture_indices) if draft.config.capture_indices is not None else None
 

@@ -30,7 +30,7 @@ def _ragged(lengths, seed=0, vocab=96):
 
 def _continuations(ids, mask, ref):
     width = ids.shape[1]
-    return [[t for t, m in zip(ids[i].tolist(), mask[i].tolist()) if m] + ref[i, width:].tolist()
+    return [[t for t, m in zip(ids[i].tolist(), mask[i].tolist(), strict=True) if m] + ref[i, width:].tolist()
             for i in range(ids.shape[0])]
 
 

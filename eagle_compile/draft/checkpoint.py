@@ -1,0 +1,254 @@
+"""Load and save draft heads in the official EAGLE-3 and the speculators layouts (EAGLE31_SPEC.md §3).
+
+Loading is strict: every tensor of the file must be a tensor of the head described by ``config.json`` (with
+the shape the config implies) and every tensor of the head must be in the file. The only optional tensors
+are ``embed_tokens.weight`` (the target's table is used when absent), ``d2t``/``t2d`` (identity for a full
+vocabulary; ``t2d`` is derived from ``d2t``) and, when ``draft_vocab_size`` is null and a target is given,
+``lm_head.weight`` (taken from the target, as SGLang does, §1.4). Nothing is dropped silently.
+
+Key names: ``midlayer.*`` (official) and ``layers.0.*`` (speculators, vLLM) are the same tensors; a ``model.``
+prefix (NeMo) is removed. Saving writes exactly the layout asked for.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from eagle_compile.capture_indices import CONFIG_KEY
+from eagle_compile.draft.config import DraftConfig
+from eagle_compile.draft.model import EagleDraftModel
+from eagle_compile.draft.vocab import validate_vocab_mapping
+from eagle_compile.errors import CheckpointError
+
+SAFETENSORS = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+TORCH_BIN = "pytorch_model.bin"
+_OPTIONAL = ("embed_tokens.weight", "d2t", "t2d")
+
+
+def load_draft(
+    path: str | Path,
+    target: nn.Module | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    num_target_layers: int | None = None,
+) -> EagleDraftModel:
+    """Load a draft head from a directory holding ``config.json`` and the weights.
+
+    ``target`` (an HF causal LM) gives the layer count that resolves the capture indices and the embedding
+    table; without it, give ``num_target_layers`` or use a config that states
+    ``eagle_aux_hidden_state_layer_ids``, and call ``tie_target_embedding`` before running the head.
+    ``dtype=None`` keeps the checkpoint's dtype (that of ``lm_head.weight``).
+    """
+    path = Path(path)
+    raw = _read_config(path)
+    target_cfg = _text_config(target) if target is not None else None
+    if target_cfg is not None:
+        layers = int(target_cfg.num_hidden_layers)
+        if num_target_layers is not None and num_target_layers != layers:
+            raise CheckpointError(
+                f"num_target_layers={num_target_layers} contradicts the target, which has {layers} layers"
+            )
+        num_target_layers = layers
+
+    layout = "speculators" if ("speculators_model_type" in raw or "speculators_config" in raw) else "eagle3"
+    reader = DraftConfig.from_speculators_dict if layout == "speculators" else DraftConfig.from_hf_dict
+    config = reader(raw, num_target_layers)
+    if config.capture_indices is None:
+        raise CheckpointError(
+            f"{path / 'config.json'} does not state {CONFIG_KEY} and no target was given, so the capture "
+            "indices (which target layers feed the head) are unknown. Pass target=<the target model> or "
+            "num_target_layers=N (the EAGLE-3 default (2, N//2, N-3) is then used)."
+        )
+    if target_cfg is not None:
+        _check_target(config, target_cfg)
+
+    tensors = _canonical_keys(_read_weights(path))
+    embed = tensors.pop("embed_tokens.weight", None)
+    d2t, t2d = tensors.pop("d2t", None), tensors.pop("t2d", None)
+    if "lm_head.weight" not in tensors and raw.get("draft_vocab_size") is None and target is not None:
+        tensors["lm_head.weight"] = target.get_output_embeddings().weight.detach()
+
+    with torch.device("meta"):
+        model = EagleDraftModel(config)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items() if k not in _OPTIONAL}
+    _check_keys(path, config, tensors, expected)
+    if embed is not None and tuple(embed.shape) != (config.vocab_size, config.hidden_size):
+        raise CheckpointError(
+            f"embed_tokens.weight has shape {list(embed.shape)}, expected "
+            f"[vocab_size, hidden_size] = [{config.vocab_size}, {config.hidden_size}]"
+        )
+    d2t, t2d = validate_vocab_mapping(d2t, t2d, config.vocab_size, config.draft_vocab_size)
+
+    dtype = dtype or tensors["lm_head.weight"].dtype
+    state = {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}  # all floating (checked)
+    state["d2t"], state["t2d"] = d2t.to(device), t2d.to(device)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.to(model.lm_head.weight.device)  # the RoPE tables were built on the CPU
+    if embed is not None:
+        model.tie_target_embedding(embed, owned=True)
+    elif target is not None:
+        model.tie_target_embedding(target)
+    return model.eval()
+
+
+def save_draft(
+    model: EagleDraftModel,
+    path: str | Path,
+    layout: Literal["eagle3", "speculators"] = "eagle3",
+    *,
+    speculative_tokens: int = 3,
+    verifier_name_or_path: str | None = None,
+) -> None:
+    """Write ``config.json`` and ``model.safetensors`` in the official (``eagle3``) or speculators layout.
+
+    The target's embedding is never written; an embedding that came with a speculators checkpoint is
+    written back in the speculators layout only (the official layout has no such key).
+    """
+    from safetensors.torch import save_file
+
+    dtype = str(model.lm_head.weight.dtype).removeprefix("torch.")
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    if layout == "eagle3":
+        config = model.config.to_hf_dict(torch_dtype=dtype)
+    elif layout == "speculators":
+        config = model.config.to_speculators_dict(
+            speculative_tokens=speculative_tokens,
+            verifier_name_or_path=verifier_name_or_path,
+            torch_dtype=dtype,
+        )
+        state = {_rename(k, "midlayer.", "layers.0."): v for k, v in state.items()}
+        if model.embed_tokens.owned:
+            state["embed_tokens.weight"] = model.embed_tokens.weight.detach().cpu().contiguous()
+    else:
+        raise ValueError(f"layout must be 'eagle3' or 'speculators', got {layout!r}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(path / SAFETENSORS), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+# --------------------------------------------------------------------------------------------------
+def _read_config(path: Path) -> dict[str, Any]:
+    file = path / "config.json"
+    if not file.is_file():
+        raise CheckpointError(
+            f"{path} has no config.json; a draft checkpoint is a directory holding config.json and weights"
+        )
+    try:
+        raw = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file} is not valid JSON: {e}") from e
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{file} must hold a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """``model.safetensors`` (or its shards), else ``pytorch_model.bin`` (loaded with weights_only=True)."""
+    from safetensors.torch import load_file
+
+    if (path / SAFETENSORS).is_file():
+        return load_file(str(path / SAFETENSORS))
+    if (path / SAFETENSORS_INDEX).is_file():
+        index = json.loads((path / SAFETENSORS_INDEX).read_text())
+        tensors: dict[str, torch.Tensor] = {}
+        for shard in sorted(set(index["weight_map"].values())):
+            tensors.update(load_file(str(path / shard)))
+        return tensors
+    if (path / TORCH_BIN).is_file():
+        state = torch.load(path / TORCH_BIN, map_location="cpu", weights_only=True)
+        if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise CheckpointError(f"{path / TORCH_BIN} does not hold a flat state dict of tensors")
+        return dict(state)
+    raise CheckpointError(
+        f"{path} has no weights: expected {SAFETENSORS}, {SAFETENSORS_INDEX} or {TORCH_BIN} there"
+    )
+
+
+def _rename(key: str, old: str, new: str) -> str:
+    return new + key[len(old) :] if key.startswith(old) else key
+
+
+def _canonical_keys(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Official key names: ``layers.0.`` -> ``midlayer.``, a leading ``model.`` removed."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in tensors.items():
+        name = _rename(_rename(key, "model.", ""), "layers.0.", "midlayer.")
+        if name in out:
+            raise CheckpointError(
+                f"the checkpoint holds the same tensor twice under different names ({name!r} and {key!r}, "
+                "e.g. both midlayer.* and layers.0.*); keep one"
+            )
+        out[name] = value
+    return out
+
+
+def _check_keys(
+    path: Path,
+    config: DraftConfig,
+    tensors: Mapping[str, torch.Tensor],
+    expected: Mapping[str, tuple[int, ...]],
+) -> None:
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    problems = []
+    if missing:
+        problems.append(f"missing keys {missing}")
+    if unexpected:
+        problems.append(f"unexpected keys {unexpected}")
+        hints = []
+        if any(k.startswith("fc_norm.") for k in unexpected):
+            hints.append("fc_norm.* weights exist but config.json does not set fc_norm: true")
+        if "input_norm.weight" in unexpected:
+            hints.append("input_norm.weight exists but config.json does not set norm_before_fc: true")
+        if any(k.startswith("layers.") for k in unexpected):
+            hints.append("extra decoder layers (layers.1.*) are not supported: single-layer heads only")
+        if hints:
+            problems.append("; ".join(hints))
+    if problems:
+        raise CheckpointError(
+            f"{path}: the weights do not match config.json: " + "; ".join(problems) + ". Fix the "
+            "config.json flags or the weights file; no tensor is skipped or invented."
+        )
+    bad = [
+        f"{k}: shape {list(tensors[k].shape)}, expected {list(shape)}"
+        for k, shape in expected.items()
+        if tuple(tensors[k].shape) != shape
+    ]
+    if bad:
+        raise CheckpointError(
+            f"{path}: tensors with the wrong shape for config.json (hidden_size {config.hidden_size}, "
+            f"target_hidden_size {config.target_hidden_size}, {config.num_features} features, "
+            f"draft_vocab_size {config.draft_vocab_size}): " + "; ".join(bad)
+        )
+    floating = [k for k, v in tensors.items() if not v.is_floating_point()]
+    if floating:
+        raise CheckpointError(f"{path}: weights {floating} are not floating-point tensors")
+
+
+def _text_config(target: nn.Module) -> Any:
+    cfg = getattr(target, "config", None)
+    if cfg is None:
+        raise CheckpointError(f"target {type(target).__name__} has no .config; pass a Hugging Face causal LM")
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def _check_target(config: DraftConfig, target_cfg: Any) -> None:
+    if int(target_cfg.vocab_size) != config.vocab_size:
+        raise CheckpointError(
+            f"the draft head was trained for a target vocabulary of {config.vocab_size} ids but this target "
+            f"has vocab_size {target_cfg.vocab_size}; use the head made for this target"
+        )
+    if int(target_cfg.hidden_size) != config.target_hidden_size:
+        raise CheckpointError(
+            f"the draft head expects target features of width {config.target_hidden_size} but this target "
+            f"has hidden_size {target_cfg.hidden_size}; use the head made for this target"
+        )

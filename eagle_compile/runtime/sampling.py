@@ -1,0 +1,204 @@
+"""The target distribution that verification samples from: Hugging Face's, exactly.
+
+Lossless sampling means every emitted token follows the distribution plain `model.generate(do_sample=True)`
+would sample from. That distribution is HF's: logits cast to float32, then `TemperatureLogitsWarper`,
+`TopKLogitsWarper`, `TopPLogitsWarper` in that order, then softmax. `process_logits` repeats those warpers op
+for op (same ties, `min_tokens_to_keep=1`), `target_probs` adds the cast and the softmax.
+
+Any other generation setting that would change the distribution (repetition penalty, min-p, typical-p, bad
+words, beams, ...) is refused by `SamplingParams.from_generation_config` with `UnsupportedGenerationError`; it
+is never silently ignored, because the output would then differ from what the user asked for.
+
+Everything here is shape-static and free of host synchronisation: the parameters are Python values (fixed per
+compiled program), so the only branches are on them, never on tensor values.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from eagle_compile.errors import UnsupportedGenerationError
+
+# transformers fills the generation fields left at None with these (transformers 5.x:
+# `GenerationConfig._get_default_generation_params`; 4.x had them as constructor defaults). Only the fields
+# read here are listed; a test compares them with the installed transformers.
+HF_GENERATION_DEFAULTS: dict[str, Any] = {
+    "do_sample": False,
+    "temperature": 1.0,
+    "top_k": 50,
+    "top_p": 1.0,
+    "typical_p": 1.0,
+    "repetition_penalty": 1.0,
+    "encoder_repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0,
+    "num_beams": 1,
+    "num_beam_groups": 1,
+    "diversity_penalty": 0.0,
+    "min_length": 0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "remove_invalid_values": False,
+}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the target distribution is formed. Greedy is `do_sample=False` (the other fields are then unused).
+
+    `top_k=0` and `top_p=1.0` disable those filters, as in Hugging Face.
+    """
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.do_sample, bool):
+            raise UnsupportedGenerationError(f"do_sample must be a bool, got {self.do_sample!r}")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
+            raise UnsupportedGenerationError(f"temperature must be a number, got {self.temperature!r}")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise UnsupportedGenerationError(
+                f"temperature must be a finite number > 0, got {self.temperature!r}; for greedy decoding "
+                "pass do_sample=False instead of temperature=0"
+            )
+        object.__setattr__(self, "temperature", float(self.temperature))
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise UnsupportedGenerationError(
+                f"top_k must be an int >= 0 (0 disables top-k filtering), got {self.top_k!r}"
+            )
+        top_p_is_number = isinstance(self.top_p, (int, float)) and not isinstance(self.top_p, bool)
+        if not (top_p_is_number and 0.0 <= self.top_p <= 1.0):
+            raise UnsupportedGenerationError(
+                f"top_p must be a number in [0, 1] (1 disables top-p filtering), got {self.top_p!r}"
+            )
+        object.__setattr__(self, "top_p", float(self.top_p))
+
+    @classmethod
+    def from_generation_config(cls, generation_config: Any) -> SamplingParams:
+        """The sampling parameters of a Hugging Face `GenerationConfig` (or any object with its attributes).
+
+        Fields left at None take transformers' global defaults (`HF_GENERATION_DEFAULTS`: notably `top_k=50`
+        when sampling), as `generate` does. Raises `UnsupportedGenerationError` listing every setting that
+        would change the target distribution and is not implemented here. Settings that do not change the
+        distribution (stops, lengths, `renormalize_logits`, output flags) are left to the caller.
+        """
+        def get(name: str) -> Any:
+            value = getattr(generation_config, name, None)
+            return HF_GENERATION_DEFAULTS.get(name) if value is None else value
+
+        problems = _unsupported_settings(get)
+        if problems:
+            raise UnsupportedGenerationError(
+                "speculative decoding cannot honour these generation settings losslessly: "
+                + "; ".join(problems)
+                + ". Supported: do_sample, temperature, top_k, top_p (plus stops and lengths). Remove these "
+                "settings or decode without eagle_compile."
+            )
+        if not get("do_sample"):
+            return cls(do_sample=False)
+        return cls(do_sample=True, temperature=get("temperature"), top_k=get("top_k"), top_p=get("top_p"))
+
+
+def _unsupported_settings(get) -> list[str]:
+    """One 'name=value (what it does)' per setting that changes the distribution; empty when all is fine."""
+    checks = [
+        ("num_beams", lambda v: v > 1, "beam search"),
+        ("num_beam_groups", lambda v: v > 1, "group beam search"),
+        ("diversity_penalty", lambda v: v != 0.0, "group beam search"),
+        ("penalty_alpha", lambda v: v > 0, "contrastive search"),
+        ("dola_layers", lambda v: True, "DoLa decoding"),
+        ("constraints", lambda v: True, "constrained beam search"),
+        ("force_words_ids", lambda v: True, "constrained beam search"),
+        ("guidance_scale", lambda v: v != 1, "classifier-free guidance"),
+        ("sequence_bias", lambda v: True, "sequence bias"),
+        ("repetition_penalty", lambda v: v != 1.0, "repetition penalty"),
+        ("encoder_repetition_penalty", lambda v: v != 1.0, "encoder repetition penalty"),
+        ("no_repeat_ngram_size", lambda v: v > 0, "n-gram blocking"),
+        ("encoder_no_repeat_ngram_size", lambda v: v > 0, "encoder n-gram blocking"),
+        ("bad_words_ids", lambda v: True, "bad-word blocking"),
+        ("min_length", lambda v: v > 0, "EOS suppressed before min_length"),
+        ("min_new_tokens", lambda v: v > 0, "EOS suppressed before min_new_tokens"),
+        ("forced_bos_token_id", lambda v: True, "forced BOS token"),
+        ("forced_eos_token_id", lambda v: True, "forced EOS token"),
+        ("remove_invalid_values", lambda v: bool(v), "inf/nan logits replaced"),
+        ("exponential_decay_length_penalty", lambda v: True, "EOS boosted with length"),
+        ("suppress_tokens", lambda v: len(v) > 0, "suppressed tokens"),
+        ("begin_suppress_tokens", lambda v: len(v) > 0, "suppressed first tokens"),
+        ("watermarking_config", lambda v: True, "watermarking"),
+        ("token_healing", lambda v: bool(v), "token healing rewrites the prompt"),
+    ]
+    if get("do_sample"):  # HF applies these warpers only when sampling
+        checks += [
+            ("top_h", lambda v: True, "top-h filtering"),
+            ("min_p", lambda v: v > 0, "min-p filtering"),
+            ("typical_p", lambda v: v < 1.0, "typical sampling"),
+            ("epsilon_cutoff", lambda v: 0.0 < v < 1.0, "epsilon sampling"),
+            ("eta_cutoff", lambda v: 0.0 < v < 1.0, "eta sampling"),
+        ]
+    problems = []
+    for name, changes_distribution, what in checks:
+        value = get(name)
+        if value is not None and changes_distribution(value):
+            problems.append(f"{name}={value!r} ({what})")
+    return problems
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, then top-p, exactly as HF's logits warpers; filtered entries become `-inf`.
+
+    Args:
+        logits: `[..., V]` in any float dtype; computed in that dtype, as HF does (HF casts to float32 first:
+            `target_probs` does that cast).
+        params: with `do_sample=False` the logits are returned unchanged (HF applies no warper when greedy).
+    Returns:
+        `[..., V]`, same dtype.
+    """
+    if not params.do_sample:
+        return logits
+    if params.temperature != 1.0:
+        logits = logits / params.temperature
+    if params.top_k > 0:
+        logits = _top_k(logits, params.top_k)
+    if params.top_p < 1.0:
+        logits = _top_p(logits, params.top_p)
+    return logits
+
+
+def _top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    # HF TopKLogitsWarper: everything strictly below the k-th largest value goes, so ties with it all stay.
+    top_k = min(top_k, logits.shape[-1])
+    kth = torch.topk(logits, top_k)[0][..., -1, None]
+    return logits.masked_fill(logits < kth, -math.inf)
+
+
+def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    # HF TopPLogitsWarper: sort ascending, drop the prefix whose cumulative mass is <= 1 - top_p, always keep
+    # the largest token (min_tokens_to_keep=1). Same ops as HF so ties resolve identically.
+    sorted_logits, sorted_indices = torch.sort(logits, descending=False)
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    sorted_remove = cumulative <= (1 - top_p)
+    sorted_remove[..., -1:] = False
+    remove = sorted_remove.scatter(-1, sorted_indices, sorted_remove)
+    return logits.masked_fill(remove, -math.inf)
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The target distribution `[..., V]` that `verify_sample` draws from.
+
+    Computed in float32 like HF `generate` (which casts the logits to float32 before the warpers), or in
+    float64 when the logits are float64 (tests). With `do_sample=False` it is the point mass on the argmax
+    (first index on ties), so `verify_sample` with greedy parameters accepts what `verify_greedy` accepts.
+    """
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    logits = logits.to(dtype)
+    if not params.do_sample:
+        argmax = logits.argmax(dim=-1, keepdim=True)
+        return torch.zeros_like(logits).scatter(-1, argmax, 1.0)
+    return process_logits(logits, params).softmax(dim=-1)
