@@ -1,0 +1,112 @@
+"""The `eagle31` command line: `demo` and `generate` (training: `eagle31 train`, when eagle_compile.train exists)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+DEMO_PROMPT = "Explain in three sentences why the sky is blue."
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="eagle31", description="EAGLE 3.1 speculative decoding for PyTorch")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, helptext in (("demo", "speculative vs plain decoding on the embedded default target"),
+                           ("generate", "generate with the embedded default target (or --target folder)")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("--prompt", default=DEMO_PROMPT)
+        p.add_argument("--max-new-tokens", type=int, default=96)
+        p.add_argument("--draft", default=None, help="draft head folder (default: the shipped SmolLM2 head)")
+        p.add_argument("--options", default="{}", help='eagle31 options as JSON, e.g. \'{"chain": 4}\'')
+        p.add_argument("--target", default=None, help="HF model folder (default: the embedded SmolLM2 target)")
+        p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
+    _add_train(sub)
+    args = parser.parse_args(argv)
+    if args.command == "train":
+        from eagle_compile.train.cli import run_train
+
+        return run_train(args)
+    return _run_demo(args, compare=args.command == "demo")
+
+
+def _add_train(sub) -> None:
+    try:
+        from eagle_compile.train.cli import add_train_parser
+    except ImportError:
+        return
+    add_train_parser(sub)
+
+
+def _run_demo(args, *, compare: bool) -> int:
+    import eagle_compile
+    from eagle_compile.heads import shipped_head
+
+    torch.set_grad_enabled(False)
+    model, tokenizer = _target(args)
+    draft, note = _draft(args, model, shipped_head())
+    print(f"target: {type(model).__name__} ({model.config.num_hidden_layers} layers, {args.dtype})")
+    print(f"draft:  {note}")
+    messages = [{"role": "user", "content": args.prompt}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                        return_dict=True)["input_ids"]
+    options = {**json.loads(args.options), "draft": draft}
+    compiled = torch.compile(model, backend="eagle31", options=options)
+    compiled.generate(ids, max_new_tokens=4)          # capture the graphs before timing
+    t0 = time.perf_counter()
+    out = compiled.generate(ids, max_new_tokens=args.max_new_tokens, return_dict_in_generate=True)
+    spec_time = time.perf_counter() - t0
+    new = out.sequences[0, ids.shape[1]:]
+    print(f"\n{tokenizer.decode(new, skip_special_tokens=True)}\n")
+    stats = out.stats
+    print(f"speculative: {len(new)} tokens in {spec_time:.2f} s = {len(new) / spec_time:.1f} tok/s, "
+          f"tau {stats.tau:.2f} tokens/cycle over {stats.cycles} cycles, histogram {stats.histogram}, "
+          f"tree {stats.tree}")
+    if compare:
+        t0 = time.perf_counter()
+        ref = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
+        plain_time = time.perf_counter() - t0
+        same = torch.equal(ref, out.sequences)
+        print(f"plain HF generate: {ref.shape[1] - ids.shape[1]} tokens in {plain_time:.2f} s = "
+              f"{(ref.shape[1] - ids.shape[1]) / plain_time:.1f} tok/s; speedup {plain_time / spec_time:.2f}x")
+        print(f"identical to plain greedy decoding: {'yes' if same else 'NO'}")
+        return 0 if same else 1
+    _ = eagle_compile
+    return 0
+
+
+def _target(args):
+    from eagle_compile.targets import load_default_target
+
+    dtype = getattr(torch, args.dtype)
+    if args.target is None:
+        return load_default_target(dtype)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype, attn_implementation="sdpa").eval()
+    return model, AutoTokenizer.from_pretrained(args.target)
+
+
+def _draft(args, model, shipped):
+    from eagle_compile.draft.checkpoint import load_draft
+
+    if args.draft is not None:
+        return load_draft(args.draft, target=model, dtype=model.dtype), f"{args.draft}"
+    if shipped is not None and args.target is None:
+        return load_draft(shipped, target=model, dtype=model.dtype), f"shipped EAGLE 3.1 head {shipped.name}"
+    from eagle_compile.draft.config import DraftConfig
+    from eagle_compile.draft.model import EagleDraftModel
+
+    torch.manual_seed(0)
+    head = EagleDraftModel(DraftConfig.for_target(model.config, None, fc_norm=True, norm_output=True))
+    head = head.to(model.dtype).eval()
+    head.tie_target_embedding(model)
+    return head, ("UNTRAINED random EAGLE 3.1 head (no trained head ships in this checkout yet): output is "
+                  "still exact, but almost no draft token is accepted, so expect no speedup")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
