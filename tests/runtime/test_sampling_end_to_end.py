@@ -1,0 +1,86 @@
+"""Lossless sampling end to end (TESTING.md invariant 2): `generate(do_sample=True)` with a real random head,
+thousands of independent rows of one prompt, against the analytic distribution of the first two tokens; and a
+negative control (a verifier that accepts drafted tokens too eagerly) that the same check must reject."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from tiny import tiny_target
+
+import eagle_compile
+import eagle_compile.runtime.decoder as decoder_module
+from eagle_compile.draft.config import DraftConfig
+from eagle_compile.draft.model import EagleDraftModel
+from eagle_compile.runtime.sampling import SamplingParams, target_probs
+from eagle_compile.runtime.verify import verify_sample
+
+V, ROWS = 16, 6000
+SAMPLING = {"do_sample": True, "temperature": 1.3, "top_k": 10, "top_p": 0.95}
+
+
+@pytest.fixture(scope="module")
+def setup():
+    target = tiny_target("llama", seed=4, vocab=V)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(0.25)        # a spread-out distribution: many tokens with real mass
+    torch.manual_seed(0)
+    head = EagleDraftModel(DraftConfig.for_target(target.config, None, fc_norm=True, norm_output=True))
+    head = head.to(torch.float64).eval()
+    head.tie_target_embedding(target)
+    prompt = torch.tensor([[5, 9, 3, 12, 7]])
+    return target, head, prompt, _analytic(target, prompt)
+
+
+def _analytic(target, prompt):
+    """P(x1, x2) from the target with HF's processing (float32 cast, temperature, top-k, top-p)."""
+    params = SamplingParams(do_sample=True, temperature=SAMPLING["temperature"], top_k=SAMPLING["top_k"],
+                            top_p=SAMPLING["top_p"])
+    with torch.no_grad():
+        p1 = target_probs(target(prompt).logits[0, -1].float(), params).double()
+        seqs = torch.cat([prompt.repeat(V, 1), torch.arange(V)[:, None]], 1)
+        p2 = target_probs(target(seqs).logits[:, -1].float(), params).double()
+    return p1[:, None] * p2                     # [V, V]
+
+
+def _sample(target, head, prompt):
+    torch.manual_seed(1234)
+    out = eagle_compile.generate(target, prompt.repeat(ROWS, 1), draft=head, max_new_tokens=2,
+                                 options={"depth": 3, "top_k": 2, "total_tokens": 6, "prefill_chunk": 8,
+                                          "batch_buckets": (ROWS,)},
+                                 return_dict_in_generate=True, **SAMPLING)
+    pairs = out.sequences[:, -2:]
+    counts = torch.zeros(V, V, dtype=torch.float64)
+    counts.index_put_((pairs[:, 0], pairs[:, 1]), torch.ones(ROWS, dtype=torch.float64), accumulate=True)
+    return counts, out.stats
+
+
+def _p_value(counts, joint):
+    expected = (joint * counts.sum()).flatten()
+    observed = counts.flatten()
+    big = expected >= 5
+    obs = torch.cat([observed[big], observed[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    return chisquare(obs[keep].numpy(), exp[keep].numpy() * obs[keep].sum().item() / exp[keep].sum().item()).pvalue
+
+
+def test_first_two_tokens_follow_the_target_distribution(setup):
+    target, head, prompt, joint = setup
+    counts, stats = _sample(target, head, prompt)
+    assert max(stats.histogram) >= 2, "no draft token was ever accepted: the test would not exercise verification"
+    assert _p_value(counts, joint) > 1e-3
+    tv = 0.5 * (counts / ROWS - joint).abs().sum()
+    assert tv < 2.0 * (V * V / ROWS) ** 0.5
+
+
+def test_negative_control_eager_acceptance_is_detected(setup, monkeypatch):
+    target, head, prompt, joint = setup
+
+    def accept_every_draft_with_mass(tree, probs, uniforms, final_uniform):
+        return verify_sample(tree, probs, torch.zeros_like(uniforms), final_uniform)
+
+    monkeypatch.setattr(decoder_module, "verify_sample", accept_every_draft_with_mass)
+    counts, _ = _sample(target, head, prompt)
+    assert _p_value(counts, joint) < 1e-6
