@@ -1,0 +1,42 @@
+"""Custom ops of eagle31 (`torch.ops.eagle31.*`): a Triton kernel for CUDA and a torch reference for the rest.
+
+Importing this package registers every op with `torch.library` (real and fake implementations, so dynamo,
+inductor and export see them) without importing Triton. Each op lives in `kernels/<name>.py` beside its Triton
+kernel, host wrapper and `<name>_reference`; the op picks the implementation per call with
+`_dispatch.choose` (CUDA: Triton when importable; CPU: the reference, or the Triton interpreter when
+`EAGLE31_TRITON_INTERPRET=1`; float64 compute runs the reference). `kernel_choices` reports the choice and
+its reason for `eagle_compile.explain`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eagle_compile.kernels import _dispatch, accept, draft_topk, fc_norm_fuse, kv_compact, tree_attention
+
+#: op name -> (what it does, whether it takes only fp16/bf16/fp32 compute tensors)
+KERNELS: dict[str, tuple[str, bool]] = {
+    "tree_attention": ("tree queries over the static KV cache with the additive tree mask, GQA", True),
+    "fc_norm_fuse": ("EAGLE 3.1 per-feature RMSNorms + concat + fc in one pass", True),
+    "draft_topk": ("draft lm_head + log-softmax top-k + d2t without materialising the logits", True),
+    "kv_compact": ("moves the accepted path's K/V into place (in place)", False),
+    "accept_greedy": ("greedy path matching and bonus token", False),
+    "accept_sample": ("lossless tree sampling (deterministic drafts) and bonus token", False),
+}
+
+
+def kernel_choices(device: torch.device | str = "cuda",
+                   dtype: torch.dtype | None = None) -> dict[str, tuple[str, str]]:
+    """For every op: (implementation, reason) that a call with tensors on `device` (and `dtype`) would use.
+
+    The implementation is "triton", "triton-interpreter" or "reference".
+    """
+    choices = {}
+    for name, (_, float_only) in KERNELS.items():
+        c = _dispatch.choose(device, dtype, dtypes=_dispatch.FLOAT_DTYPES if float_only else None)
+        choices[name] = (c.impl, c.reason)
+    return choices
+
+
+__all__ = ["KERNELS", "accept", "draft_topk", "fc_norm_fuse", "kernel_choices", "kv_compact",
+           "tree_attention"]
