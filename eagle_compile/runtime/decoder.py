@@ -18,30 +18,20 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 
 import torch
 
 from eagle_compile.draft.drafter import Drafter
-from eagle_compile.draft.tree import TreeShape, build_tree
+from eagle_compile.draft.tree import TreeShape
 from eagle_compile.options import EagleOptions
 from eagle_compile.runtime.kv_cache import SlotKVCache
-from eagle_compile.runtime.masks import causal_mask, tree_mask
+from eagle_compile.runtime.masks import causal_mask
 from eagle_compile.runtime.sampling import SamplingParams, target_probs
 from eagle_compile.runtime.stats import GenerationStats
+from eagle_compile.runtime.step import SpeculativeStep, StepState, catch_up
 from eagle_compile.runtime.stopping import StopChecker
 from eagle_compile.runtime.target_program import TargetProgram
-from eagle_compile.runtime.verify import draw_uniforms, verify_greedy, verify_sample
-
-
-@dataclass
-class _Rows:
-    """Device-side state of the rows of one batch bucket."""
-
-    n: torch.Tensor             # [B] committed sequence length (root included)
-    root: torch.Tensor          # [B] last emitted token
-    seed_feedback: torch.Tensor  # [B, H] draft feedback at position n-2
-    seed_head: torch.Tensor     # [B, H] draft head input at position n-2
+from eagle_compile.runtime.verify import draw_uniforms
 
 
 class SpeculativeDecoder:
@@ -55,6 +45,12 @@ class SpeculativeDecoder:
         self.shape = TreeShape(options.tree_depth, options.tree_top_k, options.tree_tokens)
         self.program = TargetProgram(model, capture_indices, inner_backend=options.inner_backend,
                                      recompile_limit=4 * len(options.batch_buckets) + 8)
+        self._steps: dict[SamplingParams, SpeculativeStep] = {}
+
+    def _step(self, sampling: SamplingParams) -> SpeculativeStep:
+        if sampling not in self._steps:
+            self._steps[sampling] = SpeculativeStep(self.drafter, self.shape, sampling, self.program)
+        return self._steps[sampling]
 
     # -- public ----------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -66,18 +62,18 @@ class SpeculativeDecoder:
         batch = self._bucket(real)
         prompts = prompts + [prompts[0][:1]] * (batch - real)
         active = torch.tensor([not f for f in stopper.finished] + [False] * (batch - real))
-        t_slots, d_slots = self._slots(prompts, stopper.max_new_tokens)
+        slots = self._slots(prompts, stopper.max_new_tokens)
         device = prompts[0].device
         dtype = next(self.model.parameters()).dtype
-        cache = SlotKVCache(self.model.config, batch, t_slots, dtype=dtype, device=device)
-        draft_kv = self.drafter.new_state(batch, d_slots, dtype=dtype, device=device)
+        cache = SlotKVCache(self.model.config, batch, slots, dtype=dtype, device=device)
+        draft_kv = self.drafter.new_state(batch, slots, dtype=dtype, device=device)
 
         t0 = time.perf_counter()
-        rows = self._prefill(prompts, cache, draft_kv, t_slots, d_slots, sampling, generator, stopper, active)
+        state = self._prefill(prompts, cache, draft_kv, sampling, generator, stopper, active)
         stats.prefill_time = time.perf_counter() - t0
         active &= torch.tensor([not f for f in stopper.finished] + [False] * (batch - real))
         while bool(active.any()):
-            self._cycle(rows, cache, draft_kv, t_slots, d_slots, sampling, generator, stopper, active, stats)
+            self._cycle(state, cache, draft_kv, sampling, generator, stopper, active, stats)
         stats.new_tokens = sum(len(g) for g in stopper.generated)
         stats.graphs_captured = self.program.graphs_captured
         return stats
@@ -90,26 +86,27 @@ class SpeculativeDecoder:
         raise ValueError(f"batch of {rows} rows exceeds the largest batch bucket "
                          f"{self.options.batch_buckets[-1]}; add a larger bucket to options['batch_buckets']")
 
-    def _slots(self, prompts: list[torch.Tensor], max_new: int) -> tuple[int, int]:
+    def _slots(self, prompts: list[torch.Tensor], max_new: int) -> int:
+        """Static cache slots (target and draft caches alike), sentinel included."""
         longest = max(len(p) for p in prompts)
         chunk = self.options.prefill_chunk
         prefill_span = math.ceil(longest / chunk) * chunk
         # committed <= longest + max_new; a cycle writes M tree slots (target) or (D-1)*K tree slots and D+1
         # catch-up slots (draft) past it; +1 sentinel.
-        need = max(prefill_span, longest + max_new + max(self.shape.total_tokens, self.shape.tree_slots,
-                                                         self.shape.depth + 1)) + 2
+        # a row that stops mid-cycle may still advance by depth + 1 before it is frozen
+        need = max(prefill_span, longest + max_new + self.shape.depth + 1
+                   + max(self.shape.total_tokens, self.shape.tree_slots, self.shape.depth + 1)) + 2
         if self.options.max_cache_len is not None:
             if self.options.max_cache_len < need:
                 raise ValueError(f"max_cache_len={self.options.max_cache_len} is too small for a prompt of "
                                  f"{longest} tokens + {max_new} new tokens + a tree of {self.shape.total_tokens}: "
                                  f"need {need}")
-            return self.options.max_cache_len, self.options.max_cache_len
+            return self.options.max_cache_len
         mult = self.options.cache_len_multiple
-        slots = math.ceil(need / mult) * mult
-        return slots, slots
+        return math.ceil(need / mult) * mult
 
     # -- prefill ---------------------------------------------------------------------------------------------
-    def _prefill(self, prompts, cache, draft_kv, t_slots, d_slots, sampling, generator, stopper, active) -> _Rows:
+    def _prefill(self, prompts, cache, draft_kv, sampling, generator, stopper, active) -> StepState:
         """Chunked prefill through the captured program, first token, then the draft's catch-up over the prompt."""
         batch, chunk = len(prompts), self.options.prefill_chunk
         device = prompts[0].device
@@ -123,7 +120,7 @@ class SpeculativeDecoder:
         for start in range(0, span, chunk):
             pos = torch.arange(start, start + chunk, device=device).expand(batch, chunk)
             real = pos < lengths[:, None]
-            mask = causal_mask(pos, real, t_slots, cache.layers[0].keys.dtype)
+            mask = causal_mask(pos, real, cache.slots, cache.layers[0].keys.dtype)
             write = torch.where(real, pos, cache.sentinel)
             logits, f = self.program(tokens[:, start:start + chunk], torch.where(real, pos, 0), mask, write, cache)
             feats.append(f)
@@ -138,74 +135,27 @@ class SpeculativeDecoder:
         features = torch.cat(feats, 1)                                   # [B, span, A*Ht]
         next_tokens = torch.cat([tokens[:, 1:], tokens[:, :1]], 1)
         next_tokens[torch.arange(batch), lengths - 1] = first
-        seed_fb, seed_head = self._catch_up(draft_kv, features, next_tokens, torch.zeros_like(lengths), lengths - 1,
-                                            d_slots)
-        return _Rows(n=lengths + 1, root=first, seed_feedback=seed_fb, seed_head=seed_head)
-
-    def _catch_up(self, draft_kv, features, tokens, base, last, d_slots):
-        """Draft over pairs (feature at base+j, token at base+j+1) for j = 0..last-base; returns seeds at `last`.
-
-        Args:
-            features: [B, T, A*Ht]; tokens: [B, T]; base: [B] position of column 0; last: [B] last real position.
-        """
-        span, chunk = tokens.shape[1], self.options.prefill_chunk
-        fbs, heads = [], []
-        for start in range(0, span, chunk):
-            cols = torch.arange(start, min(start + chunk, span), device=tokens.device)
-            pos = base[:, None] + cols
-            real = pos <= last[:, None]
-            mask = causal_mask(pos, real, d_slots, features.dtype)
-            write = torch.where(real, pos, d_slots - 1)
-            fb, head = self.drafter.forward(draft_kv, features[:, cols], tokens[:, cols], torch.where(real, pos, 0),
-                                            write, mask, fuse=True)
-            fbs.append(fb)
-            heads.append(head)
-        fb, head = torch.cat(fbs, 1), torch.cat(heads, 1)
-        idx = (last - base)[:, None, None]
-        return (fb.gather(1, idx.expand(-1, 1, fb.shape[-1]))[:, 0],
-                head.gather(1, idx.expand(-1, 1, head.shape[-1]))[:, 0])
+        seed_fb, seed_head = catch_up(self.drafter, draft_kv, cache.slots, features, next_tokens,
+                                      torch.zeros_like(lengths), lengths - 1, chunk=chunk)
+        return StepState(n=lengths + 1, root=first, seed_feedback=seed_fb, seed_head=seed_head,
+                         active=torch.zeros_like(lengths, dtype=torch.bool))
 
     # -- one cycle -------------------------------------------------------------------------------------------
-    def _cycle(self, rows: _Rows, cache, draft_kv, t_slots, d_slots, sampling, generator, stopper, active, stats):
+    def _cycle(self, state: StepState, cache, draft_kv, sampling, generator, stopper, active, stats):
         t0 = time.perf_counter()
-        tree = build_tree(self.drafter, draft_kv, rows.seed_feedback, rows.seed_head, rows.root, rows.n,
-                          self.shape, d_slots)
-        t1 = time.perf_counter()
-        base = rows.n - 1
-        positions = base[:, None] + tree.depth
-        write = base[:, None] + torch.arange(self.shape.total_tokens, device=base.device)
-        mask = tree_mask(tree.ancestors, base, t_slots, cache.layers[0].keys.dtype)
-        logits, feats = self.program(tree.tokens, positions, mask, write, cache)
-        t2 = time.perf_counter()
-        acc = self._verify(tree, logits.float(), sampling, generator)
-        cache.compact(base, acc.path)
-        t3 = time.perf_counter()
-        accept_len = acc.accept_len.tolist()          # the one host read of the cycle
-        emitted = acc.tokens.tolist()
+        uniforms, final_uniform = draw_uniforms(state.n.shape[0], self.shape.depth, self.shape.top_k,
+                                                generator=generator, device=state.n.device)
+        state.active.copy_(active)
+        out = self._step(sampling)(state, cache, draft_kv, uniforms, final_uniform)
+        accept_len = out.accept_len.tolist()          # the one host read of the cycle
+        emitted = out.tokens.tolist()
+        stats.step_time += time.perf_counter() - t0
         for b in range(len(stopper.generated)):
             if bool(active[b]):
                 stats.acceptance_lengths.append(accept_len[b] + 1)
                 if stopper.extend(b, emitted[b][:accept_len[b] + 1]):
                     active[b] = False
         stats.cycles += 1
-        path_feats = feats.gather(1, acc.path[:, :, None].expand(-1, -1, feats.shape[-1]))
-        a = acc.accept_len
-        rows.seed_feedback, rows.seed_head = self._catch_up(draft_kv, path_feats, acc.tokens.clamp(min=0), base,
-                                                            base + a, d_slots)
-        rows.root = acc.tokens.gather(1, a[:, None])[:, 0]
-        rows.n = torch.where(active, rows.n + a + 1, rows.n)
-        t4 = time.perf_counter()
-        stats.draft_time += (t1 - t0) + (t4 - t3)
-        stats.verify_time += t2 - t1
-        stats.accept_time += t3 - t2
-
-    def _verify(self, tree, logits, sampling: SamplingParams, generator):
-        if not sampling.do_sample:
-            return verify_greedy(tree, logits)
-        probs = target_probs(logits, sampling)
-        uniforms, final_uniform = draw_uniforms(logits.shape[0], tree.max_depth, self.shape.top_k,
-                                                generator=generator, device=logits.device)
-        return verify_sample(tree, probs, uniforms, final_uniform)
 
     def _sample_one(self, logits: torch.Tensor, sampling: SamplingParams, generator) -> torch.Tensor:
         """The first new token, from the prefill's last logits [B, V] (float32, as HF casts them)."""

@@ -1,0 +1,133 @@
+"""One speculative cycle as a device-side function: draft -> verify -> accept -> commit.
+
+`SpeculativeStep.__call__` reads and writes only tensors (the row state, both KV caches, pre-drawn uniforms)
+and contains no host synchronisation, so the whole cycle can be captured by dynamo as one graph
+(`fullgraph=True` fails on any `.item()`, `.tolist()` or data-dependent shape) and lowered: the step program of
+DESIGN.md §2. The host reads `StepOutput` once per cycle to apply stops.
+
+The target forward is a strategy: the unlowered path calls the separately captured `TargetProgram`; inside the
+captured step program the model is traced inline and `feature_taps` marks where the capture-index features are
+needed, which the `tap_features` pass resolves to the residual streams that `locate_layers` found.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from eagle_compile.draft.drafter import Drafter
+from eagle_compile.draft.tree import TreeShape, build_tree
+from eagle_compile.runtime.masks import causal_mask, tree_mask
+from eagle_compile.runtime.sampling import SamplingParams, target_probs
+from eagle_compile.runtime.verify import verify_greedy, verify_sample
+
+TargetForward = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class StepState:
+    """Per-row state between cycles (static buffers, updated in place by the step)."""
+
+    n: torch.Tensor              # [B] committed sequence length (root included)
+    root: torch.Tensor           # [B] last emitted token, not yet seen by the target
+    seed_feedback: torch.Tensor  # [B, H] draft feedback at position n-2
+    seed_head: torch.Tensor      # [B, H] draft head input at position n-2
+    active: torch.Tensor         # [B] bool: rows still generating (frozen rows keep their n)
+
+
+@dataclass
+class StepOutput:
+    accept_len: torch.Tensor     # [B] accepted draft tokens a
+    tokens: torch.Tensor         # [B, D+1] emitted: accepted draft tokens, bonus at index a, -1 after
+
+
+@torch.library.custom_op("eagle31::feature_taps", mutates_args=())
+def feature_taps(logits: torch.Tensor, width: int) -> torch.Tensor:
+    """Marks, inside a traced step, where the target's capture-index features [B, T, width] are used."""
+    raise RuntimeError("eagle31::feature_taps only exists inside a captured step program: the tap_features pass "
+                       "replaces it with the target's residual streams before the graph runs")
+
+
+@feature_taps.register_fake
+def _(logits, width):
+    return logits.new_empty(logits.shape[0], logits.shape[1], width)
+
+
+def traced_target_forward(model: torch.nn.Module, feature_width: int) -> TargetForward:
+    """Target forward for tracing into a step program: logits from the model, features from `feature_taps`."""
+
+    def forward(tokens, positions, mask, write_slots, cache):
+        logits = model(input_ids=tokens, position_ids=positions, attention_mask=mask, cache=cache,
+                       write_slots=write_slots, use_cache=True).logits
+        return logits, feature_taps(logits, feature_width)
+
+    return forward
+
+
+class SpeculativeStep:
+    """The device-side cycle for one tree shape and one sampling setting (both static)."""
+
+    def __init__(self, drafter: Drafter, shape: TreeShape, sampling: SamplingParams,
+                 target_forward: TargetForward) -> None:
+        self.drafter = drafter
+        self.shape = shape
+        self.sampling = sampling
+        self.target_forward = target_forward
+
+    def __call__(self, state: StepState, cache, draft_kv, uniforms: torch.Tensor,
+                 final_uniform: torch.Tensor) -> StepOutput:
+        shape, d_slots = self.shape, cache.slots      # the draft cache has as many slots as the target's
+        tree = build_tree(self.drafter, draft_kv, state.seed_feedback, state.seed_head, state.root, state.n,
+                          shape, d_slots)
+        base = state.n - 1
+        positions = base[:, None] + tree.depth
+        write = base[:, None] + torch.arange(shape.total_tokens, device=base.device)
+        mask = tree_mask(tree.ancestors, base, cache.slots, cache.layers[0].keys.dtype)
+        logits, feats = self.target_forward(tree.tokens, positions, mask, write, cache)
+        acc = self._verify(tree, logits.float(), uniforms, final_uniform)
+        cache.compact(base, acc.path)
+        a = acc.accept_len
+        path_feats = feats.gather(1, acc.path[:, :, None].expand(-1, -1, feats.shape[-1]))
+        feedback, head = catch_up(self.drafter, draft_kv, d_slots, path_feats, acc.tokens.clamp(min=0), base,
+                                  base + a)
+        state.seed_feedback.copy_(feedback)
+        state.seed_head.copy_(head)
+        state.root.copy_(acc.tokens.gather(1, a[:, None])[:, 0])
+        state.n.copy_(torch.where(state.active, state.n + a + 1, state.n))
+        return StepOutput(accept_len=a, tokens=acc.tokens)
+
+    def _verify(self, tree, logits, uniforms, final_uniform):
+        if not self.sampling.do_sample:
+            return verify_greedy(tree, logits)
+        return verify_sample(tree, target_probs(logits, self.sampling), uniforms, final_uniform)
+
+
+def catch_up(drafter: Drafter, draft_kv, d_slots: int, features: torch.Tensor, tokens: torch.Tensor,
+             base: torch.Tensor, last: torch.Tensor, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Re-sync the draft from the target: pairs (feature at base+j, token at base+j+1) for j = 0..last-base,
+    written to draft slots base+j (columns past `last` are padding and write the sentinel). Returns the
+    feedback and head input at position `last`.
+
+    Args:
+        features: [B, T, A*Ht]; tokens: [B, T]; base: [B] position of column 0; last: [B] last real position.
+        chunk: columns per draft forward (None: all at once).
+    """
+    span = tokens.shape[1]
+    chunk = chunk or span
+    fbs, heads = [], []
+    for start in range(0, span, chunk):
+        cols = torch.arange(start, min(start + chunk, span), device=tokens.device)
+        pos = base[:, None] + cols
+        real = pos <= last[:, None]
+        mask = causal_mask(pos, real, d_slots, features.dtype)
+        write = torch.where(real, pos, d_slots - 1)
+        fb, head = drafter.forward(draft_kv, features[:, start:start + len(cols)], tokens[:, start:start + len(cols)],
+                                   torch.where(real, pos, 0), write, mask, fuse=True)
+        fbs.append(fb)
+        heads.append(head)
+    fb, head = torch.cat(fbs, 1), torch.cat(heads, 1)
+    idx = (last - base)[:, None, None]
+    return (fb.gather(1, idx.expand(-1, 1, fb.shape[-1]))[:, 0],
+            head.gather(1, idx.expand(-1, 1, head.shape[-1]))[:, 0])
