@@ -30,7 +30,9 @@ class EagleOptions:
     Caches are static: `max_cache_len` slots if given, else the prompt + new tokens + tree rounded up to a
     multiple of `cache_len_multiple`, so that calls of similar length reuse the captured graphs.
     `prefill_chunk` is the static number of prompt tokens one prefill forward takes. `inner_backend` runs
-    the rewritten graph ("eager": the FX graph as is; "inductor": compile_fx).
+    the rewritten graph ("eager": the FX graph as is; "inductor": compile_fx). `step_program=True` captures the
+    whole cycle (draft -> verify -> accept -> commit) as one graph and lowers it with the step passes (fused
+    eagle31 ops); False runs the cycle as a host loop around the captured target program.
     """
 
     draft: Any = None
@@ -41,6 +43,7 @@ class EagleOptions:
     batch_buckets: tuple[int, ...] = DEFAULT_BUCKETS
     prefill_chunk: int = 64
     inner_backend: str = "eager"
+    step_program: bool = False
     max_cache_len: int | None = None
     cache_len_multiple: int = 256
 
@@ -64,6 +67,8 @@ class EagleOptions:
         if self.inner_backend not in _INNER:
             raise OptionsError(f"inner_backend={self.inner_backend!r}; valid values: {list(_INNER)}")
         _check_positive_int("cache_len_multiple", self.cache_len_multiple)
+        if not isinstance(self.step_program, bool):
+            raise OptionsError(f"step_program={self.step_program!r}: expected True or False")
         if self.max_cache_len is not None:
             _check_positive_int("max_cache_len", self.max_cache_len)
 

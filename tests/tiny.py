@@ -69,7 +69,11 @@ class ScriptedDrafter:
         head = torch.stack([rows, positions], -1).to(torch.float64)     # [B, T, 2]
         return head, head
 
-    def log_probs(self, head):
+    def top_k(self, head, k):
+        scores, ids = torch.topk(self._log_probs(head), k, dim=-1)
+        return scores, ids
+
+    def _log_probs(self, head):
         rows, pos = head[..., 0].long(), head[..., 1].long()
         want = torch.zeros_like(pos)
         for idx in range(rows.numel()):
@@ -82,6 +86,3 @@ class ScriptedDrafter:
         else:
             logits = torch.where(ids == want[..., None], -1e4, -(ids.double() % 7))
         return torch.log_softmax(logits, -1)
-
-    def to_target(self, draft_ids):
-        return draft_ids

@@ -7,7 +7,8 @@ and so that the head can later be swapped for its lowered (fused) form.
 A draft forward takes, per position, a hidden input (target features for catch-up, `fuse=True`; the previous
 step's feedback otherwise), the next token, its RoPE position, the draft-cache slot it writes, and an additive
 mask over draft-cache slots. It returns the feedback carried to the next step and the head input (`norm(o)`),
-from which `log_probs` gives draft-vocabulary log-probabilities.
+from which `top_k` gives the k most likely next tokens (log-probabilities over the draft vocabulary, best
+first, and the tokens mapped to target ids through d2t).
 """
 
 from __future__ import annotations
@@ -27,9 +28,7 @@ class Drafter(Protocol):
                 write_slots: torch.Tensor, mask: torch.Tensor, *, fuse: bool
                 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def log_probs(self, head_input: torch.Tensor) -> torch.Tensor: ...
-
-    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor: ...
+    def top_k(self, head_input: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass
@@ -53,9 +52,10 @@ class EagleDrafter:
         return out.feedback, out.normed
 
     @torch.no_grad()
-    def log_probs(self, head_input: torch.Tensor) -> torch.Tensor:
+    def top_k(self, head_input: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[..., H] -> (log-probs [..., k] best first, target ids [..., k]); the `draft_subgraph` pass replaces
+        this whole function with `eagle31::draft_topk` in a step program."""
         logits = self.model.logits(head_input)
-        return torch.log_softmax(logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits, -1)
-
-    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.draft_to_target(draft_ids)
+        logp = torch.log_softmax(logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits, -1)
+        scores, ids = torch.topk(logp, k, dim=-1, sorted=True)
+        return scores, self.model.draft_to_target(ids)

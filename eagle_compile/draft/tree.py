@@ -78,9 +78,8 @@ def build_tree(drafter: Drafter, state, seed_feedback: torch.Tensor, seed_head: 
     K, D = shape.top_k, shape.depth
     B = root.shape[0]
     device = root.device
-    logp1 = drafter.log_probs(seed_head[:, None])[:, 0]                     # [B, Vd]
-    score, ids = _topk(logp1, K)                                              # [B, K]
-    pool_scores, pool_tokens = [score], [drafter.to_target(ids)]
+    score, tokens = drafter.top_k(seed_head, K)                              # [B, K]
+    pool_scores, pool_tokens = [score], [tokens]
     pool_parent = [torch.full((B, K), -1, dtype=torch.long, device=device)]
     f_tok, f_score = pool_tokens[0], score
     f_hidden = seed_feedback[:, None, :].expand(B, K, seed_feedback.shape[-1])
@@ -95,10 +94,9 @@ def build_tree(drafter: Drafter, state, seed_feedback: torch.Tensor, seed_head: 
         positions = (seq_len - 2 + level)[:, None].expand(B, K)
         mask = tree_mask(anc, base, draft_slots, seed_head.dtype)
         feedback, head = drafter.forward(state, f_hidden, f_tok, positions, slots, mask, fuse=False)
-        logp = drafter.log_probs(head)                                       # [B, K, Vd]
-        child_score, child_ids = _topk(logp, K)                              # [B, K, K]
+        child_score, child_tok = drafter.top_k(head, K)                      # [B, K, K]
         cand_score = (f_score[:, :, None] + child_score).reshape(B, K * K)
-        cand_tok = drafter.to_target(child_ids).reshape(B, K * K)
+        cand_tok = child_tok.reshape(B, K * K)
         pool_scores.append(cand_score)
         pool_tokens.append(cand_tok)
         pool_parent.append(f_pool.repeat_interleave(K, dim=1))
@@ -143,12 +141,6 @@ def ancestor_matrix(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
         cur = torch.where(cur >= 0, parents.gather(1, cur.clamp(min=0)), cur)
         anc |= (cur[:, :, None] == torch.arange(M, device=parents.device)) & (cur[:, :, None] >= 0)
     return anc
-
-
-def _topk(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k along the last dim, best first (the tie order among equal log-probs does not affect losslessness)."""
-    values, ids = torch.topk(logp, k, dim=-1, sorted=True)
-    return values, ids
 
 
 def _stable_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:

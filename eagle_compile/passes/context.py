@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch.fx
 
@@ -24,6 +25,7 @@ class PassContext:
     layer_outputs: list[torch.fx.Node] = field(default_factory=list)
     embedding_output: torch.fx.Node | None = None
     num_original_outputs: int | None = None
+    step_examples: Any = None   # runtime.step_program.StepExamples when the graph is a step program
 
     @property
     def num_layers(self) -> int:

@@ -32,8 +32,8 @@ def locate_layers(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphM
             match = _LAYER_PATH.search(path)
             if match and _is_layer_class(cls_name):
                 last_in_layer[int(match.group(1))] = node
-            elif _EMBED_PATH.search(path):
-                embedding = node
+            elif _EMBED_PATH.search(path) and 0 not in last_in_layer:
+                embedding = node    # the embedding that feeds layer 0 (a step graph also embeds draft tokens)
     ctx.architecture = ctx.architecture or _architecture(gm)
     if not last_in_layer:
         raise UnsupportedModelError(

@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from eagle_compile.capture_indices import default_capture_indices
 from eagle_compile.draft.drafter import Drafter
 from eagle_compile.draft.tree import TreeShape
 from eagle_compile.options import EagleOptions
@@ -28,7 +29,8 @@ from eagle_compile.runtime.kv_cache import SlotKVCache
 from eagle_compile.runtime.masks import causal_mask
 from eagle_compile.runtime.sampling import SamplingParams, target_probs
 from eagle_compile.runtime.stats import GenerationStats
-from eagle_compile.runtime.step import SpeculativeStep, StepState, catch_up
+from eagle_compile.runtime.step import SpeculativeStep, StepState, catch_up, traced_target_forward
+from eagle_compile.runtime.step_program import StepProgram
 from eagle_compile.runtime.stopping import StopChecker
 from eagle_compile.runtime.target_program import TargetProgram
 from eagle_compile.runtime.verify import draw_uniforms
@@ -43,14 +45,32 @@ class SpeculativeDecoder:
         self.drafter = drafter
         self.options = options
         self.shape = TreeShape(options.tree_depth, options.tree_top_k, options.tree_tokens)
-        self.program = TargetProgram(model, capture_indices, inner_backend=options.inner_backend,
+        num_layers = model.config.get_text_config().num_hidden_layers
+        self.capture_indices = capture_indices or default_capture_indices(num_layers)
+        self.program = TargetProgram(model, self.capture_indices, inner_backend=options.inner_backend,
                                      recompile_limit=4 * len(options.batch_buckets) + 8)
-        self._steps: dict[SamplingParams, SpeculativeStep] = {}
+        self._steps: dict[SamplingParams, SpeculativeStep | StepProgram] = {}
 
-    def _step(self, sampling: SamplingParams) -> SpeculativeStep:
+    def _step(self, sampling: SamplingParams) -> SpeculativeStep | StepProgram:
         if sampling not in self._steps:
-            self._steps[sampling] = SpeculativeStep(self.drafter, self.shape, sampling, self.program)
+            self._steps[sampling] = self._build_step(sampling)
         return self._steps[sampling]
+
+    def _build_step(self, sampling: SamplingParams) -> SpeculativeStep | StepProgram:
+        if not self.options.step_program:
+            return SpeculativeStep(self.drafter, self.shape, sampling, self.program)
+        config = self.model.config.get_text_config()
+        width = len(self.capture_indices) * config.hidden_size
+        step = SpeculativeStep(self.drafter, self.shape, sampling, traced_target_forward(self.model, width))
+        return StepProgram(step, self.capture_indices, type(self.model).__name__, feature_width=width,
+                           vocab_size=self.model.get_output_embeddings().out_features,
+                           inner_backend=self.options.inner_backend,
+                           recompile_limit=2 * len(self.options.batch_buckets) + 8)
+
+    @property
+    def graphs_captured(self) -> int:
+        steps = sum(s.graphs_captured for s in self._steps.values() if isinstance(s, StepProgram))
+        return self.program.graphs_captured + steps
 
     # -- public ----------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -75,7 +95,7 @@ class SpeculativeDecoder:
         while bool(active.any()):
             self._cycle(state, cache, draft_kv, sampling, generator, stopper, active, stats)
         stats.new_tokens = sum(len(g) for g in stopper.generated)
-        stats.graphs_captured = self.program.graphs_captured
+        stats.graphs_captured = self.graphs_captured
         return stats
 
     # -- setup -----------------------------------------------------------------------------------------------

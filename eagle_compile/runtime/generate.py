@@ -189,7 +189,7 @@ def _drafter(model, draft) -> tuple[Drafter, tuple[int, ...] | None]:
 
         dtype = next(model.parameters()).dtype
         draft = load_draft(draft, target=model, dtype=dtype, device=next(model.parameters()).device)
-    if hasattr(draft, "new_state") and hasattr(draft, "log_probs"):
+    if hasattr(draft, "new_state") and hasattr(draft, "top_k"):
         return draft, getattr(draft, "capture_indices", None)
     if draft.embed_tokens.weight is None:
         draft.tie_target_embedding(model)      # EAGLE-3 heads share the target's (frozen) embedding table

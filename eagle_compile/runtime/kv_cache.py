@@ -66,13 +66,24 @@ class SlotKVCache(Cache):
             base: [B] first tree slot of each row (the root's slot).
             path: [B, P] node offsets, non-decreasing, path[:, j] >= j.
         """
-        src = (base[:, None] + path)[:, None, :, None]   # [B, 1, P, 1]
-        dst = (base[:, None] + torch.arange(path.shape[1], device=path.device))[:, None, :, None]
         for layer in self.layers:
-            for buf in (layer.keys, layer.values):
-                idx = src.expand(-1, buf.shape[1], -1, buf.shape[3])
-                moved = buf.gather(2, idx)
-                buf.scatter_(2, dst.expand_as(idx), moved)
+            compact_layer(layer.keys, layer.values, base, path)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         raise NotImplementedError("SlotKVCache has per-row lengths; pass position_ids and a 4-D mask explicitly")
+
+
+def compact_layer(keys: torch.Tensor, values: torch.Tensor, base: torch.Tensor, path: torch.Tensor) -> None:
+    """One layer of `SlotKVCache.compact` (the reference of `eagle31::kv_compact`, which the accept_subgraph
+    pass substitutes for it in a step program).
+
+    Args:
+        keys, values: [B, Hkv, S, hd] cache buffers, updated in place.
+        base: [B]; path: [B, P] (see `SlotKVCache.compact`).
+    """
+    src = (base[:, None] + path)[:, None, :, None]                                        # [B, 1, P, 1]
+    dst = (base[:, None] + torch.arange(path.shape[1], device=path.device))[:, None, :, None]
+    for buf in (keys, values):
+        idx = src.expand(-1, buf.shape[1], -1, buf.shape[3])
+        moved = buf.gather(2, idx)
+        buf.scatter_(2, dst.expand_as(idx), moved)
