@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "generate": ("eagle_compile.runtime.generate", "generate"),
+    "explain": ("eagle_compile.report", "explain"),
     "EagleOptions": ("eagle_compile.options", "EagleOptions"),
     "load_default_target": ("eagle_compile.targets", "load_default_target"),
     "load_draft": ("eagle_compile.draft.checkpoint", "load_draft"),

@@ -32,7 +32,9 @@ class EagleOptions:
     `prefill_chunk` is the static number of prompt tokens one prefill forward takes. `inner_backend` runs
     the rewritten graph ("eager": the FX graph as is; "inductor": compile_fx). `step_program=True` captures the
     whole cycle (draft -> verify -> accept -> commit) as one graph and lowers it with the step passes (fused
-    eagle31 ops); False runs the cycle as a host loop around the captured target program.
+    eagle31 ops); False runs the cycle as a host loop around the captured target program. `cudagraphs=True`
+    captures one CUDA graph per batch bucket around the step and replays it (CUDA only; on other devices the
+    statistics say it was not applied).
     """
 
     draft: Any = None
@@ -44,6 +46,7 @@ class EagleOptions:
     prefill_chunk: int = 64
     inner_backend: str = "eager"
     step_program: bool = False
+    cudagraphs: bool = False
     max_cache_len: int | None = None
     cache_len_multiple: int = 256
 
@@ -67,8 +70,9 @@ class EagleOptions:
         if self.inner_backend not in _INNER:
             raise OptionsError(f"inner_backend={self.inner_backend!r}; valid values: {list(_INNER)}")
         _check_positive_int("cache_len_multiple", self.cache_len_multiple)
-        if not isinstance(self.step_program, bool):
-            raise OptionsError(f"step_program={self.step_program!r}: expected True or False")
+        for flag in ("step_program", "cudagraphs"):
+            if not isinstance(getattr(self, flag), bool):
+                raise OptionsError(f"{flag}={getattr(self, flag)!r}: expected True or False")
         if self.max_cache_len is not None:
             _check_positive_int("max_cache_len", self.max_cache_len)
 

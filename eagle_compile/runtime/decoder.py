@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 
 import torch
 
@@ -25,6 +26,7 @@ from eagle_compile.capture_indices import default_capture_indices
 from eagle_compile.draft.drafter import Drafter
 from eagle_compile.draft.tree import TreeShape
 from eagle_compile.options import EagleOptions
+from eagle_compile.runtime.cuda_graphs import BucketBuffers, GraphedStep
 from eagle_compile.runtime.kv_cache import SlotKVCache
 from eagle_compile.runtime.masks import causal_mask
 from eagle_compile.runtime.sampling import SamplingParams, target_probs
@@ -49,7 +51,10 @@ class SpeculativeDecoder:
         self.capture_indices = capture_indices or default_capture_indices(num_layers)
         self.program = TargetProgram(model, self.capture_indices, inner_backend=options.inner_backend,
                                      recompile_limit=4 * len(options.batch_buckets) + 8)
-        self._steps: dict[SamplingParams, SpeculativeStep | StepProgram] = {}
+        self._steps: dict = {}
+        self._bucket_buffers: dict[tuple[int, int], BucketBuffers] = {}
+        self._warned: set[str] = set()
+        self._replays_before = 0
 
     def _step(self, sampling: SamplingParams) -> SpeculativeStep | StepProgram:
         if sampling not in self._steps:
@@ -69,6 +74,7 @@ class SpeculativeDecoder:
 
     @property
     def graphs_captured(self) -> int:
+        """FX graphs captured by dynamo (target programs and step programs), not CUDA graphs."""
         steps = sum(s.graphs_captured for s in self._steps.values() if isinstance(s, StepProgram))
         return self.program.graphs_captured + steps
 
@@ -84,21 +90,63 @@ class SpeculativeDecoder:
         active = torch.tensor([not f for f in stopper.finished] + [False] * (batch - real))
         slots = self._slots(prompts, stopper.max_new_tokens)
         device = prompts[0].device
-        dtype = next(self.model.parameters()).dtype
-        cache = SlotKVCache(self.model.config, batch, slots, dtype=dtype, device=device)
-        draft_kv = self.drafter.new_state(batch, slots, dtype=dtype, device=device)
+        graphed = self._graphed(sampling, device, stats)
+        buffers = self._buffers(batch, slots, device) if graphed else None
+        cache, draft_kv = (buffers.cache, buffers.draft_kv) if graphed else self._caches(batch, slots, device)
 
         t0 = time.perf_counter()
         state = self._prefill(prompts, cache, draft_kv, sampling, generator, stopper, active)
         stats.prefill_time = time.perf_counter() - t0
+        if graphed:
+            _copy_state(buffers.state, state)
+            state = buffers.state
         active &= torch.tensor([not f for f in stopper.finished] + [False] * (batch - real))
         while bool(active.any()):
-            self._cycle(state, cache, draft_kv, sampling, generator, stopper, active, stats)
+            self._cycle(state, cache, draft_kv, sampling, generator, stopper, active, stats, buffers)
+        if graphed:
+            stats.cuda_graph_replays = graphed.replays - self._replays_before
+            self._replays_before = graphed.replays
         stats.new_tokens = sum(len(g) for g in stopper.generated)
         stats.graphs_captured = self.graphs_captured
         return stats
 
     # -- setup -----------------------------------------------------------------------------------------------
+    def _caches(self, batch: int, slots: int, device) -> tuple[SlotKVCache, object]:
+        dtype = next(self.model.parameters()).dtype
+        cache = SlotKVCache(self.model.config, batch, slots, dtype=dtype, device=device)
+        return cache, self.drafter.new_state(batch, slots, dtype=dtype, device=device)
+
+    def _graphed(self, sampling: SamplingParams, device: torch.device, stats) -> GraphedStep | None:
+        if not self.options.cudagraphs:
+            return None
+        if device.type != "cuda":
+            note = f"cudagraphs=True ignored: CUDA graphs need a CUDA device, the target is on {device.type}"
+            if note not in self._warned:
+                warnings.warn(note, stacklevel=3)
+                self._warned.add(note)
+            stats.notes.append(note)
+            return None
+        key = ("graphed", sampling)
+        if key not in self._steps:
+            self._steps[key] = GraphedStep(self._step(sampling))
+        return self._steps[key]
+
+    def _buffers(self, batch: int, slots: int, device) -> BucketBuffers:
+        """Static buffers per (bucket, slots), kept across calls so that captured graphs stay valid."""
+        key = (batch, slots)
+        if key not in self._bucket_buffers:
+            cache, draft_kv = self._caches(batch, slots, device)
+            hidden = self.model.config.get_text_config().hidden_size
+            dtype = next(self.model.parameters()).dtype
+            zeros = torch.zeros(batch, dtype=torch.long, device=device)
+            state = StepState(n=zeros.clone(), root=zeros.clone(),
+                              seed_feedback=torch.zeros(batch, hidden, dtype=dtype, device=device),
+                              seed_head=torch.zeros(batch, hidden, dtype=dtype, device=device),
+                              active=torch.zeros(batch, dtype=torch.bool, device=device))
+            uniforms, final = draw_uniforms(batch, self.shape.depth, self.shape.top_k, device=device)
+            self._bucket_buffers[key] = BucketBuffers(state, cache, draft_kv, uniforms, final)
+        return self._bucket_buffers[key]
+
     def _bucket(self, rows: int) -> int:
         for b in self.options.batch_buckets:
             if b >= rows:
@@ -161,12 +209,15 @@ class SpeculativeDecoder:
                          active=torch.zeros_like(lengths, dtype=torch.bool))
 
     # -- one cycle -------------------------------------------------------------------------------------------
-    def _cycle(self, state: StepState, cache, draft_kv, sampling, generator, stopper, active, stats):
+    def _cycle(self, state: StepState, cache, draft_kv, sampling, generator, stopper, active, stats, buffers):
         t0 = time.perf_counter()
         uniforms, final_uniform = draw_uniforms(state.n.shape[0], self.shape.depth, self.shape.top_k,
                                                 generator=generator, device=state.n.device)
         state.active.copy_(active)
-        out = self._step(sampling)(state, cache, draft_kv, uniforms, final_uniform)
+        if buffers is not None:
+            out = self._steps[("graphed", sampling)](buffers, uniforms, final_uniform)
+        else:
+            out = self._step(sampling)(state, cache, draft_kv, uniforms, final_uniform)
         accept_len = out.accept_len.tolist()          # the one host read of the cycle
         emitted = out.tokens.tolist()
         stats.step_time += time.perf_counter() - t0
@@ -183,3 +234,8 @@ class SpeculativeDecoder:
             return logits.argmax(-1)
         probs = target_probs(logits, sampling)
         return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def _copy_state(dst: StepState, src: StepState) -> None:
+    for name in ("n", "root", "seed_feedback", "seed_head", "active"):
+        getattr(dst, name).copy_(getattr(src, name))

@@ -19,6 +19,8 @@ class GenerationStats:
     step_time: float = 0.0
     new_tokens: int = 0
     graphs_captured: int = 0
+    cuda_graph_replays: int = 0
+    notes: list[str] = field(default_factory=list)
 
     @property
     def tau(self) -> float:
@@ -31,4 +33,5 @@ class GenerationStats:
     def as_dict(self) -> dict:
         return {"tau": self.tau, "histogram": self.histogram, "cycles": self.cycles, "new_tokens": self.new_tokens,
                 "prefill_time": self.prefill_time, "step_time": self.step_time, "tree": self.tree,
-                "graphs_captured": self.graphs_captured}
+                "graphs_captured": self.graphs_captured, "cuda_graph_replays": self.cuda_graph_replays,
+                "notes": self.notes}

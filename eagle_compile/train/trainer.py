@@ -235,6 +235,10 @@ class Trainer:
         """Train to ``total_steps`` (or until step ``stop_after``: a simulated interruption); returns the
         final held-out evaluation when training completed."""
         cfg = self.config
+        summary = self.output_dir / "summary.json"
+        if self.step >= self.total_steps and summary.is_file():  # finished before: nothing to redo
+            done = json.loads(summary.read_text()).get("eval")
+            return EvalResult(**done) if done else None
         if cfg.feature_mode == "offline":
             self.build_features()
         bar = tqdm(total=self.total_steps, initial=self.step, desc=f"train {cfg.preset}", unit="step",

@@ -1,0 +1,68 @@
+"""`eagle_compile.explain(compiled)`: what the eagle31 backend did for a model, in words.
+
+Passes run and the sites each rewrote (per captured graph), the kernel implementation each eagle31 op uses on
+the model's device and why, the CUDA-graph buckets captured and replayed, and the tree shape.
+"""
+
+from __future__ import annotations
+
+
+def explain(compiled, *, file=None) -> str:
+    """Print and return a report for a model compiled with backend="eagle31" (or a plain model)."""
+    from eagle_compile.backend import compiled_options
+    from eagle_compile.kernels import kernel_choices
+    from eagle_compile.runtime.cuda_graphs import GraphedStep
+    from eagle_compile.runtime.generate import _decoders
+    from eagle_compile.runtime.step_program import StepProgram
+
+    model = getattr(compiled, "_orig_mod", compiled)
+    param = next(model.parameters())
+    lines = [f"eagle31 report for {type(model).__name__} on {param.device} ({param.dtype})"]
+    opts = compiled_options(compiled)
+    if opts is not None:
+        shown = {k: (v if k != "draft" else _describe_draft(v)) for k, v in opts.as_dict().items()}
+        lines.append(f"torch.compile options: {shown}")
+    decoders = list(_decoders.get(model, {}).values())
+    if not decoders:
+        lines.append("nothing captured yet: call compiled.generate(...) (or eagle_compile.generate) first")
+    for i, dec in enumerate(decoders):
+        lines.append(f"[decoder {i}] tree depth={dec.shape.depth} top_k={dec.shape.top_k} "
+                     f"total_tokens={dec.shape.total_tokens}; capture indices {list(dec.capture_indices)}; "
+                     f"step_program={dec.options.step_program}; inner backend {dec.options.inner_backend}")
+        for ctx in dec.program.contexts:
+            lines.append(f"  target program graph: {_counts(ctx.counts)}")
+        for key, step in dec._steps.items():
+            if isinstance(step, StepProgram):
+                for ctx in step.contexts:
+                    lines.append(f"  step program graph ({_sampling(key)}): {_counts(ctx.counts)}")
+            if isinstance(step, GraphedStep):
+                buckets = sorted(step.graphs)
+                lines.append(f"  CUDA graphs: {step.captures} captured for (bucket, slots) {buckets}, "
+                             f"{step.replays} replays")
+        if dec.options.cudagraphs and not any(isinstance(s, GraphedStep) for s in dec._steps.values()):
+            lines.append("  CUDA graphs: requested but not applied (the target is not on a CUDA device)")
+    lines.append("kernels:")
+    for name, (impl, reason) in kernel_choices(param.device, param.dtype).items():
+        lines.append(f"  {name:15s} {impl:18s} {reason}")
+    text = "\n".join(lines)
+    print(text, file=file)
+    return text
+
+
+def _describe_draft(draft) -> str:
+    if draft is None or isinstance(draft, str):
+        return repr(draft)
+    config = getattr(draft, "config", None)
+    if config is not None and hasattr(config, "draft_vocab_size"):
+        flags = [f for f in ("fc_norm", "norm_output", "norm_before_fc", "norm_before_residual") if getattr(config, f)]
+        return f"{type(draft).__name__}(draft_vocab_size={config.draft_vocab_size}, flags={flags})"
+    return type(draft).__name__
+
+
+def _counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{name} {n}" for name, n in counts.items())
+
+
+def _sampling(key) -> str:
+    return "sampling" if getattr(key, "do_sample", False) else "greedy"
+

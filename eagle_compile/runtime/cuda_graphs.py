@@ -1,0 +1,94 @@
+"""CUDA graphs for the speculative-step program: one capture per batch bucket, replayed every cycle.
+
+The step program has static shapes per (bucket, cache slots) and no host synchronisation, so on CUDA it is
+captured once and replayed (COMPILE_FACTS.md §8):
+
+1. the buffers it reads and writes are static: the row state, both KV caches and the uniforms live in a
+   `BucketBuffers` that the decoder keeps per bucket and reuses across generate calls;
+2. warm-up runs on a side stream first (lazy cuBLAS init, Triton JIT/autotune, dynamo capture happen there);
+3. `torch.cuda.graph(g, pool=shared_pool)` captures one cycle; all buckets share one memory pool;
+4. each cycle: copy fresh uniforms into the static input, `replay()`, clone the outputs.
+
+Padded rows of a bucket are frozen rows of their own (rows never share cache slots), so they cannot change
+real rows; their writes land in their own rows' slots or the sentinel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from eagle_compile.runtime.step import StepOutput, StepState
+
+
+@dataclass
+class BucketBuffers:
+    """Static buffers of one (bucket, slots) shape."""
+
+    state: StepState
+    cache: object
+    draft_kv: object
+    uniforms: torch.Tensor
+    final_uniform: torch.Tensor
+
+
+class GraphedStep:
+    """Replays one CUDA graph per bucket around a step program (`StepProgram` or `SpeculativeStep`)."""
+
+    def __init__(self, step, *, warmup: int = 2) -> None:
+        self.step = step
+        self.warmup = warmup
+        self.pool = None
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, StepOutput, BucketBuffers]] = {}
+        self.replays = 0
+        self.captures = 0
+
+    def __call__(self, buffers: BucketBuffers, uniforms: torch.Tensor, final_uniform: torch.Tensor) -> StepOutput:
+        key = (buffers.state.n.shape[0], buffers.cache.slots)
+        entry = self.graphs.get(key)
+        if entry is None or entry[2] is not buffers:
+            entry = self._capture(buffers, key)
+        graph, out, _ = entry
+        buffers.uniforms.copy_(uniforms)
+        buffers.final_uniform.copy_(final_uniform)
+        graph.replay()
+        self.replays += 1
+        return StepOutput(accept_len=out.accept_len.clone(), tokens=out.tokens.clone())
+
+    def _capture(self, b: BucketBuffers, key: tuple[int, int]):
+        snapshot = _snapshot(b)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(self.warmup):        # warm-up mutates the buffers: restored below
+                self.step(b.state, b.cache, b.draft_kv, b.uniforms, b.final_uniform)
+        torch.cuda.current_stream().wait_stream(stream)
+        _restore(b, snapshot)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self.step(b.state, b.cache, b.draft_kv, b.uniforms, b.final_uniform)
+        _restore(b, snapshot)                     # capture does not run the kernels, but be exact anyway
+        self.captures += 1
+        self.graphs[key] = (graph, out, b)
+        return self.graphs[key]
+
+
+def _tensors(b: BucketBuffers) -> list[torch.Tensor]:
+    out = [b.state.n, b.state.root, b.state.seed_feedback, b.state.seed_head, b.state.active]
+    for layer in b.cache.layers:
+        out += [layer.keys, layer.values]
+    if b.draft_kv is not None:
+        out += [b.draft_kv.keys, b.draft_kv.values]
+    return out
+
+
+def _snapshot(b: BucketBuffers) -> list[torch.Tensor]:
+    return [t.clone() for t in _tensors(b)]
+
+
+def _restore(b: BucketBuffers, snapshot: list[torch.Tensor]) -> None:
+    for t, saved in zip(_tensors(b), snapshot, strict=True):
+        t.copy_(saved)
