@@ -4,20 +4,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_lossless_heads import _batch, _head
-from tiny import greedy_reference, tiny_target
+from tiny import greedy_reference, ragged_batch, random_head, tiny_target
 
 import eagle_compile
 
 
 def test_explain_before_and_after_generate():
     model = tiny_target("qwen2", seed=8)
-    head = _head(model, flags=True, seed=4, reduced=True)
+    head = random_head(model, flags=True, seed=4, reduced=True)
     compiled = torch.compile(model, backend="eagle31", options={
         "depth": 2, "top_k": 2, "total_tokens": 4, "prefill_chunk": 8, "step_program": True, "draft": head})
     before = eagle_compile.explain(compiled)
     assert "nothing captured yet" in before
-    ids, mask = _batch(1, seed=1)
+    ids, mask = ragged_batch(1, seed=1)
     compiled.generate(ids, attention_mask=mask, max_new_tokens=5)
     after = eagle_compile.explain(compiled)
     assert "tree depth=2 top_k=2 total_tokens=4" in after
@@ -30,8 +29,8 @@ def test_explain_before_and_after_generate():
 
 def test_cudagraphs_on_cpu_say_so_and_stay_exact():
     model = tiny_target("llama", seed=8)
-    head = _head(model, flags=False, seed=4, reduced=False)
-    ids, mask = _batch(3, seed=1)
+    head = random_head(model, flags=False, seed=4, reduced=False)
+    ids, mask = ragged_batch(3, seed=1)
     with pytest.warns(UserWarning, match="CUDA graphs need a CUDA device"):
         out = eagle_compile.generate(model, ids, attention_mask=mask, draft=head, max_new_tokens=6,
                                      options={"chain": 2, "prefill_chunk": 8, "cudagraphs": True},

@@ -14,6 +14,10 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from eagle_compile.draft.config import DraftConfig
+from eagle_compile.draft.model import EagleDraftModel
+from eagle_compile.draft.vocab import build_vocab_mapping
+
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 _CLASSES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
@@ -86,3 +90,32 @@ class ScriptedDrafter:
         else:
             logits = torch.where(ids == want[..., None], -1e4, -(ids.double() % 7))
         return torch.log_softmax(logits, -1)
+
+
+def random_head(target, *, flags: bool, seed: int, reduced: bool) -> EagleDraftModel:
+    """A random-weight EAGLE-3 (or 3.1 with `flags`) head for `target`, optionally with a reduced vocabulary."""
+    vocab = target.config.vocab_size
+    cfg = DraftConfig.for_target(target.config, 48 if reduced else vocab,
+                                 **({"fc_norm": True, "norm_output": True} if flags else {}))
+    torch.manual_seed(seed)
+    head = EagleDraftModel(cfg).to(torch.float64).eval()
+    if reduced:
+        counts = torch.randint(0, 1000, (vocab,), generator=torch.Generator().manual_seed(seed))
+        d2t, t2d = build_vocab_mapping(counts, 48)
+        head.d2t.copy_(d2t)
+        head.t2d.copy_(t2d)
+    head.tie_target_embedding(target)
+    return head
+
+
+def ragged_batch(rows: int, seed: int):
+    """1 row of 7 tokens, or 3 left-padded rows of 3, 12 and 7 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [7] if rows == 1 else [3, 12, 7]
+    width = max(lengths)
+    ids = torch.zeros(rows, width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, width - n:] = torch.randint(3, 96, (n,), generator=g)
+        mask[i, width - n:] = 1
+    return ids, mask

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_lossless_heads import _batch, _head
-from tiny import greedy_reference, tiny_target
+from tiny import greedy_reference, ragged_batch, random_head, tiny_target
 
 import eagle_compile
 import eagle_compile.runtime.step as step_module
@@ -24,8 +23,8 @@ def _generate(target, head, ids, mask, lowered: bool, **kwargs):
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_lowered_step_gives_the_unlowered_tokens(arch):
     target = tiny_target(arch, seed=21)
-    head = _head(target, flags=True, seed=5, reduced=True)
-    ids, mask = _batch(3, seed=9)
+    head = random_head(target, flags=True, seed=5, reduced=True)
+    ids, mask = ragged_batch(3, seed=9)
     plain = _generate(target, head, ids, mask, lowered=False)
     lowered = _generate(target, head, ids, mask, lowered=True)
     assert torch.equal(lowered.sequences, plain.sequences)
@@ -35,8 +34,8 @@ def test_lowered_step_gives_the_unlowered_tokens(arch):
 
 def test_step_passes_rewrite_the_expected_sites():
     target = tiny_target("llama", seed=2)
-    head = _head(target, flags=True, seed=1, reduced=False)
-    ids, mask = _batch(1, seed=3)
+    head = random_head(target, flags=True, seed=1, reduced=False)
+    ids, mask = ragged_batch(1, seed=3)
     decoder_counts = _counts_after_generate(target, head, ids, mask)
     layers, depth = 8, SHAPE["depth"]
     assert [p.__name__ for p in STEP_PASSES] == ["locate_layers", "tap_features", "static_kv", "draft_subgraph",
@@ -63,8 +62,8 @@ def _counts_after_generate(target, head, ids, mask):
 
 def test_sampling_step_is_lowered_to_accept_sample():
     target = tiny_target("mistral", seed=4)
-    head = _head(target, flags=False, seed=2, reduced=True)
-    ids, mask = _batch(1, seed=5)
+    head = random_head(target, flags=False, seed=2, reduced=True)
+    ids, mask = ragged_batch(1, seed=5)
     out = _generate(target, head, ids, mask, lowered=True, do_sample=True, temperature=0.9)
     assert out.sequences.shape[1] == ids.shape[1] + 12
 
@@ -72,8 +71,8 @@ def test_sampling_step_is_lowered_to_accept_sample():
 def test_a_host_sync_inside_the_cycle_fails_the_capture(monkeypatch):
     """Negative control: the capture is fullgraph, so a host read inside the step cannot go unnoticed."""
     target = tiny_target("llama", seed=6)
-    head = _head(target, flags=True, seed=3, reduced=False)
-    ids, mask = _batch(1, seed=7)
+    head = random_head(target, flags=True, seed=3, reduced=False)
+    ids, mask = ragged_batch(1, seed=7)
     real = step_module.verify_greedy
 
     def syncing_verify(tree, logits):

@@ -1,0 +1,122 @@
+"""The training loop on a tiny random target: optimisation works, an interrupted run resumed equals an
+uninterrupted one bit for bit, the head loads with load_draft with its flags, wrong resumptions are refused."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from tiny import tiny_target
+from train_helpers import hand_samples
+
+from eagle_compile.draft import load_draft
+from eagle_compile.errors import OptionsError
+from eagle_compile.train import TrainConfig, Trainer
+from eagle_compile.train.features import FeatureBatch, TeacherHead
+from eagle_compile.train.head import build_head, save_head
+from eagle_compile.train.loss import batch_loss
+from eagle_compile.train.schedule import WarmupCosine, build_optimizer
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("llama")
+
+
+def _config(tmp_path, name, **kw):
+    """Offline features in one cache shared by the runs (the cache folder may differ between runs)."""
+    base = dict(output_dir=str(tmp_path / name), max_steps=5, batch_size=2, grad_accum=2, eval_samples=2,
+                draft_vocab_size=48, pad_multiple=32, save_every=2, progress=False, lr=1e-2, warmup_steps=1,
+                feature_mode="offline", feature_cache=str(tmp_path / "features"), shard_samples=6)
+    return TrainConfig(**{**base, **kw})
+
+
+def test_a_few_steps_reduce_the_loss_on_a_fixed_batch(target):
+    d2t, t2d = torch.zeros(96, dtype=torch.int64), torch.ones(96, dtype=torch.bool)
+    model = build_head(target, d2t=d2t, t2d=t2d, flags={"fc_norm": True, "norm_output": True},
+                       capture_indices=None, lm_head_init="random", freeze_lm_head=False, dtype=torch.float64,
+                       seed=0)
+    gen = torch.Generator().manual_seed(0)
+    sample = hand_samples(2, vocab=96, min_len=16, max_len=16)
+    from eagle_compile.train.data import collate
+
+    tokens = collate(sample)
+    last = torch.randn(2, 16, 32, generator=gen, dtype=torch.float64)
+    teacher = TeacherHead(target, model.t2d)
+    fb = FeatureBatch(tokens, torch.randn(2, 16, 96, generator=gen, dtype=torch.float64), last,
+                      teacher(last).argmax(-1))
+    opt = build_optimizer(model, 1e-2, (0.9, 0.95), 0.0)
+    excess = []  # Σ_i w_i (CE_i - H(p)_i): the part of the loss the head can remove (KL to the teacher)
+    for _ in range(40):
+        opt.zero_grad()
+        result, targets = batch_loss(model, teacher, fb, 3, [1.0, 0.8, 0.64])
+        result.total.backward()
+        opt.step()
+        entropy = [-(p * p.log()).sum(-1).mean() for p in
+                   (targets.probs[targets.column >= 1 + i] for i in range(3))]
+        excess.append(sum(w * (loss.item() - h.item())
+                          for w, loss, h in zip([1.0, 0.8, 0.64], result.losses, entropy, strict=True)))
+    assert excess[-1] < 0.3 * excess[0]
+
+
+def test_warmup_then_cosine():
+    sched = WarmupCosine(warmup=4, total=14, min_ratio=0.1)
+    assert [sched(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert sched(4) == 1.0 and abs(sched(9) - (0.1 + 0.9 * 0.5)) < 1e-12 and abs(sched(14) - 0.1) < 1e-12
+
+
+def test_resume_equals_uninterrupted_run_and_head_loads(target, tmp_path):
+    samples = hand_samples(12, vocab=96)
+    full = Trainer(_config(tmp_path, "full"), target=target, samples=samples)
+    # 10 training samples in shards of 6: 3 + 2 batches of 2 (batches stay in a shard), 2 batches a step
+    assert full.steps_per_epoch == 3 and full.total_steps == 5
+    full.train()
+    assert full.extractor.graphs_captured == 1
+
+    first = Trainer(_config(tmp_path, "split"), target=target, samples=samples)
+    first.train(stop_after=3)                                      # "interrupted" after step 3 (mid-epoch 2)
+    assert first.step == 3 and not (tmp_path / "split" / "head").exists()
+    resumed = Trainer(_config(tmp_path, "split"), target=target, samples=samples)
+    assert resumed.step == 3
+    resumed.train()
+    assert first.extractor is None and resumed.extractor is None   # the cache was complete: target not run
+
+    a, b = full.model.state_dict(), resumed.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert resumed.scheduler.get_last_lr() == full.scheduler.get_last_lr()
+    lines = [json.loads(x) for x in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if x["split"] == "train"] == [1, 2, 3, 4, 5]
+    assert lines[-1]["split"] == "eval" and len(lines[-1]["accuracies"]) == 7
+
+    head = tmp_path / "full" / "head"
+    config = json.loads((head / "config.json").read_text())
+    assert config["fc_norm"] is True and config["norm_output"] is True
+    assert config["draft_vocab_size"] == 48 and config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    loaded = load_draft(head, target=target, dtype=torch.float64)
+    trained = full.model.state_dict()
+    for k, v in loaded.state_dict().items():  # saved as float32 (save_dtype), trained in float64
+        torch.testing.assert_close(v, trained[k].to(v.dtype), rtol=1e-6, atol=1e-7)
+    assert torch.equal(loaded.d2t, full.model.d2t) and torch.equal(loaded.t2d, full.model.t2d)
+    summary = json.loads((tmp_path / "full" / "summary.json").read_text())
+    assert summary["steps"] == 5 and summary["eval"]["samples"] == 2
+
+    with pytest.raises(OptionsError, match="different"):
+        Trainer(dataclasses.replace(_config(tmp_path, "split"), lr=5e-3), target=target, samples=samples)
+    with pytest.raises(OptionsError, match="already holds"):
+        Trainer(_config(tmp_path, "split", resume=False), target=target, samples=samples)
+    with pytest.raises(OptionsError, match="conversations changed"):
+        Trainer(_config(tmp_path, "split"), target=target, samples=hand_samples(12, vocab=96, seed=1))
+
+
+def test_eagle3_head_has_its_flags_off(target, tmp_path):
+    d2t, t2d = torch.zeros(96, dtype=torch.int64), torch.ones(96, dtype=torch.bool)
+    model = build_head(target, d2t=d2t, t2d=t2d, flags={"fc_norm": False, "norm_output": False},
+                       capture_indices=None, lm_head_init="target", freeze_lm_head=False, dtype=torch.float64,
+                       seed=0)
+    torch.testing.assert_close(model.lm_head.weight, target.lm_head.weight, rtol=0, atol=0)  # init from target
+    save_head(model, tmp_path / "head")
+    config = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert config["fc_norm"] is False and config["norm_output"] is False
+    assert not hasattr(load_draft(tmp_path / "head", target=target), "fc_norm")
