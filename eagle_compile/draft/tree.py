@@ -66,7 +66,8 @@ class DraftTree:
 
 
 def build_tree(drafter: Drafter, state, seed_feedback: torch.Tensor, seed_head: torch.Tensor, root: torch.Tensor,
-               seq_len: torch.Tensor, shape: TreeShape, draft_slots: int) -> DraftTree:
+               seq_len: torch.Tensor, shape: TreeShape, draft_slots: int,
+               active: torch.Tensor | None = None) -> DraftTree:
     """Grow one draft tree per row.
 
     Args:
@@ -74,6 +75,7 @@ def build_tree(drafter: Drafter, state, seed_feedback: torch.Tensor, seed_head: 
         seed_head: [B, H] catch-up head input at that position.
         root: [B] last emitted token. seq_len: [B] committed sequence length n (root included).
         draft_slots: S of the draft cache (masks are [B, 1, K, S]).
+        active: [B] bool; inactive (frozen or padding) rows write only the sentinel slot S-1.
     """
     K, D = shape.top_k, shape.depth
     B = root.shape[0]
@@ -91,6 +93,8 @@ def build_tree(drafter: Drafter, state, seed_feedback: torch.Tensor, seed_head: 
         own[:, torch.arange(K), (level - 1) * K + torch.arange(K)] = True
         anc = f_anc | own                                                    # [B, K, tree_slots]
         slots = base[:, None] + (level - 1) * K + torch.arange(K, device=device)
+        if active is not None:
+            slots = torch.where(active[:, None], slots, draft_slots - 1)
         positions = (seq_len - 2 + level)[:, None].expand(B, K)
         mask = tree_mask(anc, base, draft_slots, seed_head.dtype)
         feedback, head = drafter.forward(state, f_hidden, f_tok, positions, slots, mask, fuse=False)

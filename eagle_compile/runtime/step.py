@@ -79,19 +79,22 @@ class SpeculativeStep:
     def __call__(self, state: StepState, cache, draft_kv, uniforms: torch.Tensor,
                  final_uniform: torch.Tensor) -> StepOutput:
         shape, d_slots = self.shape, cache.slots      # the draft cache has as many slots as the target's
+        active = state.active
         tree = build_tree(self.drafter, draft_kv, state.seed_feedback, state.seed_head, state.root, state.n,
-                          shape, d_slots)
+                          shape, d_slots, active)
         base = state.n - 1
         positions = base[:, None] + tree.depth
-        write = base[:, None] + torch.arange(shape.total_tokens, device=base.device)
+        nodes = torch.arange(shape.total_tokens, device=base.device)
+        write = torch.where(active[:, None], base[:, None] + nodes, cache.slots - 1)   # inactive: sentinel only
         mask = tree_mask(tree.ancestors, base, cache.slots, cache.layers[0].keys.dtype)
         logits, feats = self.target_forward(tree.tokens, positions, mask, write, cache)
         acc = self._verify(tree, logits.float(), uniforms, final_uniform)
-        cache.compact(base, acc.path)
+        identity = torch.arange(shape.depth + 1, device=base.device).expand_as(acc.path)
+        cache.compact(base, torch.where(active[:, None], acc.path, identity))   # inactive rows: a no-op move
         a = acc.accept_len
         path_feats = feats.gather(1, acc.path[:, :, None].expand(-1, -1, feats.shape[-1]))
         feedback, head = catch_up(self.drafter, draft_kv, d_slots, path_feats, acc.tokens.clamp(min=0), base,
-                                  base + a)
+                                  torch.where(active, base + a, base - 1))
         state.seed_feedback.copy_(feedback)
         state.seed_head.copy_(head)
         state.root.copy_(acc.tokens.gather(1, a[:, None])[:, 0])
@@ -111,7 +114,8 @@ def catch_up(drafter: Drafter, draft_kv, d_slots: int, features: torch.Tensor, t
     feedback and head input at position `last`.
 
     Args:
-        features: [B, T, A*Ht]; tokens: [B, T]; base: [B] position of column 0; last: [B] last real position.
+        features: [B, T, A*Ht]; tokens: [B, T]; base: [B] position of column 0; last: [B] last real position
+            (last < base: no real column, the row writes only the sentinel and its returned seeds are unused).
         chunk: columns per draft forward (None: all at once).
     """
     span = tokens.shape[1]
@@ -128,6 +132,6 @@ def catch_up(drafter: Drafter, draft_kv, d_slots: int, features: torch.Tensor, t
         fbs.append(fb)
         heads.append(head)
     fb, head = torch.cat(fbs, 1), torch.cat(heads, 1)
-    idx = (last - base)[:, None, None]
+    idx = (last - base).clamp(min=0)[:, None, None]
     return (fb.gather(1, idx.expand(-1, 1, fb.shape[-1]))[:, 0],
             head.gather(1, idx.expand(-1, 1, head.shape[-1]))[:, 0])
