@@ -190,7 +190,9 @@ class SpeculativeDecoder:
             real = pos < lengths[:, None]
             mask = causal_mask(pos, real, cache.slots, cache.layers[0].keys.dtype)
             write = torch.where(real, pos, cache.sentinel)
-            logits, f = self.program(tokens[:, start:start + chunk], torch.where(real, pos, 0), mask, write, cache)
+            # a contiguous chunk: a strided slice would make dynamo recapture for every prompt length
+            chunk_ids = tokens[:, start:start + chunk].contiguous()
+            logits, f = self.program(chunk_ids, torch.where(real, pos, 0), mask, write, cache)
             feats.append(f)
             idx = (last - start).clamp(0, chunk - 1)[:, None, None].expand(-1, 1, logits.shape[-1])
             picked = logits.gather(1, idx)[:, 0].float()                # [B, V]

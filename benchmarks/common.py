@@ -1,0 +1,188 @@
+"""Helpers shared by the benchmark scripts: machine load, environment record, JSON output, timing, the draft head.
+
+Benchmarks are not tests (docs/TESTING.md): they print tables and write JSON/markdown/PNG, and they record what
+the numbers depend on (load average, core count, torch threads, versions, git commit, the command line), because
+this machine is shared and noisy. Nothing here asserts a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_DATA_DIR = (REPO_ROOT / ".." / "shared" / "data").resolve()
+DEFAULT_OUT_DIR = REPO_ROOT / "bench_out"
+UNTRAINED_NOTE = ("UNTRAINED random EAGLE 3.1 head (no trained head ships in this checkout yet): output is still "
+                  "exact, but almost no draft token is accepted, so speculative decoding is expected to be SLOWER "
+                  "than plain decoding here")
+
+
+# -- machine and environment -------------------------------------------------------------------------------------
+def machine_load() -> dict[str, Any]:
+    """Load averages (1, 5, 15 min), usable cores and torch threads, at this moment."""
+    one, five, fifteen = os.getloadavg()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"loadavg_1m": round(one, 2), "loadavg_5m": round(five, 2), "loadavg_15m": round(fifteen, 2),
+            "nproc": cores, "torch_threads": torch.get_num_threads(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def print_load(label: str) -> dict[str, Any]:
+    """Print the machine load (and a warning when other work competes for the cores); return it."""
+    load = machine_load()
+    print(f"[load {label}] loadavg 1/5/15 min = {load['loadavg_1m']}/{load['loadavg_5m']}/{load['loadavg_15m']} "
+          f"on {load['nproc']} cores, torch threads {load['torch_threads']}", flush=True)
+    if load["loadavg_1m"] > 0.5 * load["nproc"]:
+        hint = "" if load["torch_threads"] == 1 else "; with other work on the cores prefer --threads 1"
+        print(f"[load {label}] WARNING: the machine is busy (load {load['loadavg_1m']} on {load['nproc']} cores); "
+              f"timings are noisy, compare ratios from the same run only{hint}", flush=True)
+    return load
+
+
+def set_threads(threads: int | None) -> None:
+    """Pin torch's intra-op threads. On a shared machine `--threads 1` is the robust choice: when other processes
+    compete for the cores, a multi-threaded forward waits for its descheduled threads and single steps slow down
+    erratically, by large factors; one thread degrades gracefully."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+
+
+def git_commit() -> dict[str, Any]:
+    """HEAD commit and whether the working tree differs from it (read-only git commands)."""
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status)}
+
+
+def environment() -> dict[str, Any]:
+    """What the numbers depend on besides the load: versions, machine, commit, the exact command line."""
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+            "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "git": git_commit(), "command": shlex.join([sys.executable, *sys.argv])}
+
+
+# -- files -------------------------------------------------------------------------------------------------------
+def write_json(path: Path, obj: Any) -> None:
+    """Write `obj` as indented JSON atomically (temporary file, then rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def append_jsonl(path: Path, record: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps(record, default=str) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Records of a jsonl file; a truncated last line (an interrupted write) is ignored."""
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            print(f"ignoring an unreadable line of {path} (interrupted write?)", flush=True)
+    return records
+
+
+def markdown_table(header: list[str], rows: Iterable[list[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+# -- timing ------------------------------------------------------------------------------------------------------
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    """(result, wall seconds) of one call."""
+    t0 = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - t0
+
+
+def median_time(fn: Callable[[], Any], *, repeats: int, warmup: int) -> dict[str, float]:
+    """Median (and min/max) wall seconds of `repeats` calls after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = [timed(fn)[1] for _ in range(repeats)]
+    return {"median": statistics.median(times), "min": min(times), "max": max(times), "repeats": repeats}
+
+
+def interleaved_times(calls: dict[Any, Callable[[], Any]], *, repeats: int, warmup: int) -> dict[Any, dict]:
+    """Median (and min/max) seconds of each call, timed round-robin (one call of each per round, `warmup`
+    untimed rounds first), so that a change of the machine's load during the run affects every call alike."""
+    for _ in range(warmup):
+        for fn in calls.values():
+            fn()
+    times: dict[Any, list[float]] = {key: [] for key in calls}
+    for _ in range(repeats):
+        for key, fn in calls.items():
+            times[key].append(timed(fn)[1])
+    return {key: {"median": statistics.median(t), "min": min(t), "max": max(t), "repeats": repeats}
+            for key, t in times.items()}
+
+
+# -- target and draft head ---------------------------------------------------------------------------------------
+def chat_ids(tokenizer, text: str) -> torch.Tensor:
+    """[1, L] ids of one user turn with the chat template and the assistant prefix."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         return_tensors="pt", return_dict=True)["input_ids"]
+
+
+def load_head(model, draft: str | None) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The draft head to benchmark and a description of it: `draft` (a folder), else the shipped head, else an
+    untrained head built like `eagle31 demo` builds it (seed 0), which the description says loudly."""
+    from eagle_compile.draft.checkpoint import load_draft
+    from eagle_compile.heads import shipped_head
+
+    folder = Path(draft) if draft is not None else shipped_head()
+    if folder is not None:
+        head = load_draft(folder, target=model, dtype=model.dtype)
+        return head, {"trained": True, "folder": str(folder.resolve()), "note": f"EAGLE head from {folder}"}
+    from eagle_compile.draft.config import DraftConfig
+    from eagle_compile.draft.model import EagleDraftModel
+
+    torch.manual_seed(0)
+    head = EagleDraftModel(DraftConfig.for_target(model.config, None, fc_norm=True, norm_output=True))
+    head = head.to(model.dtype).eval()
+    head.tie_target_embedding(model)
+    return head, {"trained": False, "folder": None, "note": UNTRAINED_NOTE}
+
+
+def read_options(spec: str | None, head_info: dict[str, Any], default: dict[str, Any]) -> tuple[dict, str]:
+    """eagle31 tree options and where they came from: `spec` (a JSON string or a path to a JSON file), else
+    `tree.json` beside the head (written by benchmarks/verify_cost.py), else `default`."""
+    if spec:
+        path = Path(spec)
+        if path.is_file():
+            return json.loads(path.read_text()), str(path.resolve())
+        return json.loads(spec), "--options"
+    if head_info.get("folder"):
+        tree = Path(head_info["folder"]) / "tree.json"
+        if tree.is_file():
+            return json.loads(tree.read_text()), str(tree)
+    return dict(default), f"default {json.dumps(default)} (no --options and no tree.json beside the head)"
