@@ -183,6 +183,11 @@ class SpeculativeDecoder:
         tokens = torch.zeros(batch, span, dtype=torch.long, device=device)
         for b, p in enumerate(prompts):
             tokens[b, :len(p)] = p
+        # [n_chunks, B, chunk]: every chunk has the same (contiguous) strides whatever the prompt length, so
+        # dynamo's stride guards do not recapture the program for new lengths (a slice of `tokens` would).
+        # (`.contiguous()` keeps odd strides on size-1 dims, so copy into a freshly laid-out buffer.)
+        chunks = torch.empty(span // chunk, batch, chunk, dtype=tokens.dtype, device=device)
+        chunks.copy_(tokens.view(batch, span // chunk, chunk).transpose(0, 1))
         feats, last_logits = [], None
         last = lengths - 1
         for start in range(0, span, chunk):
@@ -190,9 +195,7 @@ class SpeculativeDecoder:
             real = pos < lengths[:, None]
             mask = causal_mask(pos, real, cache.slots, cache.layers[0].keys.dtype)
             write = torch.where(real, pos, cache.sentinel)
-            # a contiguous chunk: a strided slice would make dynamo recapture for every prompt length
-            chunk_ids = tokens[:, start:start + chunk].contiguous()
-            logits, f = self.program(chunk_ids, torch.where(real, pos, 0), mask, write, cache)
+            logits, f = self.program(chunks[start // chunk], torch.where(real, pos, 0), mask, write, cache)
             feats.append(f)
             idx = (last - start).clamp(0, chunk - 1)[:, None, None].expand(-1, 1, logits.shape[-1])
             picked = logits.gather(1, idx)[:, 0].float()                # [B, V]
