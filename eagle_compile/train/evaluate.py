@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -27,13 +28,16 @@ class EvalResult:
 
 @torch.no_grad()
 def evaluate(model: EagleDraftModel, teacher: TeacherHead, batches: Iterable[FeatureBatch], steps: int,
-             weights: Sequence[float]) -> EvalResult:
+             weights: Sequence[float], autocast: Callable[[], contextlib.AbstractContextManager] | None = None
+             ) -> EvalResult:
+    """Held-out metrics; ``autocast`` wraps the head's forward only (the target's features come as they are)."""
     was_training = model.training
     model.eval()
     loss_sums, counts, correct = [0.0] * steps, [0] * steps, [0] * steps
     accept_sum, starts, samples = 0.0, 0, 0
     for fb in batches:
-        result, targets = batch_loss(model, teacher, fb, steps, weights)
+        with (autocast or contextlib.nullcontext)():
+            result, targets = batch_loss(model, teacher, fb, steps, weights)
         for i in range(steps):
             loss_sums[i] += float(result.losses[i]) * result.counts[i]
             counts[i] += result.counts[i]

@@ -78,7 +78,7 @@ class TeacherHead(nn.Module):
 
 
 class FeatureExtractor:
-    """Runs the captured target program on token batches and returns `FeatureBatch` es.
+    """Runs the captured target program on token batches and returns `FeatureBatch` objects.
 
     ``rows`` pads every batch to that many rows (empty rows) so that the program sees one batch shape;
     together with ``pad_multiple`` on the sequence length this bounds the number of captured graphs.
@@ -92,7 +92,6 @@ class FeatureExtractor:
                    else default_capture_indices(n))
         self.target = target
         self.capture_indices = tuple(indices)
-        self.num_layers = n
         self.hidden_size = int(config.hidden_size)
         self._last_at = indices.index(n) if n in indices else len(indices)
         program_indices = indices if n in indices else (*indices, n)

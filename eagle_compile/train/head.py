@@ -18,10 +18,9 @@ def build_head(target: nn.Module, *, d2t: torch.Tensor, t2d: torch.Tensor, flags
                dtype: torch.dtype, seed: int) -> EagleDraftModel:
     """A one-layer head shaped like ``target`` with the given vocabulary mapping and flags.
 
-    ``lm_head_init="target"`` copies the target's lm_head rows of the draft vocabulary (a head that starts
-    as the target's own output layer learns faster on little data); ``"random"`` keeps PyTorch's init, as
-    the official trainer. fc_norm weights start at 1 (EAGLE31_SPEC.md §6.5). The embedding is the target's,
-    frozen.
+    ``lm_head_init="random"`` keeps PyTorch's init (the official trainer); ``"target"`` copies the target's
+    lm_head rows of the draft vocabulary (speculators). fc_norm weights start at 1 (EAGLE31_SPEC.md §6.5).
+    The embedding is the target's, frozen.
     """
     overrides = dict(flags)
     if capture_indices is not None:

@@ -83,8 +83,9 @@ def regenerate_responses(model, tokenizer, records: Sequence[Record], out_path: 
     prompts = {r.id: prompt_ids(tokenizer, r) for r in todo}
     todo.sort(key=lambda r: -len(prompts[r.id]))
     device = next(model.parameters()).device
-    sampling = {"do_sample": True, "temperature": temperature, "top_k": None, "top_p": None} if temperature > 0 \
-        else {"do_sample": False}
+    # explicit top_k=0 / top_p=1.0: None would mean "the target's generation_config default"
+    sampling = ({"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0
+                else {"do_sample": False})
     start = time.perf_counter()
     bar = tqdm(total=len(todo), desc="regenerate", unit="reply", disable=not progress)
     for b in range(0, len(todo), batch_size):

@@ -130,7 +130,8 @@ class Trainer:
         self.data_fingerprint = fingerprint(samples)
         self.train_idx, self.eval_idx = split_eval(samples, config.eval_samples)
 
-        vocab_size = int(self.target.config.get_text_config().vocab_size)
+        text_config = self.target.config.get_text_config()
+        vocab_size, self.hidden_size = int(text_config.vocab_size), int(text_config.hidden_size)
         d2t, t2d, counts = select_draft_vocab([samples[i] for i in self.train_idx], vocab_size,
                                               config.draft_vocab_size or vocab_size)
         self.vocab_coverage = vocab_coverage(counts, t2d)
@@ -138,11 +139,13 @@ class Trainer:
         self.model = build_head(self.target, d2t=d2t, t2d=t2d, flags=config.flags,
                                 capture_indices=config.capture_indices, lm_head_init=config.lm_head_init,
                                 freeze_lm_head=config.freeze_lm_head, dtype=dtype, seed=config.seed)
-        self.capture_indices = self.model.config.resolved_capture_indices(
-            int(self.target.config.get_text_config().num_hidden_layers))
+        self.capture_indices = self.model.config.resolved_capture_indices(int(text_config.num_hidden_layers))
         self.teacher = TeacherHead(self.target, self.model.t2d)
         self.extractor: FeatureExtractor | None = None
         self.cache: FeatureCache | None = None
+        self._plan_epoch: int | None = None
+        self._plan_batches: list[list[int]] = []
+        self.grad_norm = 0.0
 
         self.steps_per_epoch = math.ceil(len(self._plan(0)) / config.grad_accum)
         self.total_steps = config.max_steps or config.epochs * self.steps_per_epoch
@@ -169,7 +172,7 @@ class Trainer:
         if self.cache is None:
             self.cache = build_feature_cache(
                 self.config.feature_cache_dir(), self._extractor, self.samples,
-                capture_indices=self.capture_indices, hidden_size=int(self.target.config.hidden_size),
+                capture_indices=self.capture_indices, hidden_size=self.hidden_size,
                 target_name=self.target_name,
                 batch_size=self.config.batch_size, shard_samples=self.config.shard_samples,
                 dtype=self.config.cache_dtype, pad_multiple=self.config.pad_multiple,
@@ -194,10 +197,10 @@ class Trainer:
 
     def _step_batches(self, step: int) -> list[list[int]]:
         epoch, j = divmod(step, self.steps_per_epoch)
-        if getattr(self, "_plan_epoch", None) != epoch:
-            self._plan_cached, self._plan_epoch = self._plan(epoch), epoch
+        if self._plan_epoch != epoch:
+            self._plan_batches, self._plan_epoch = self._plan(epoch), epoch
         accum = self.config.grad_accum
-        return self._plan_cached[j * accum : (j + 1) * accum]
+        return self._plan_batches[j * accum : (j + 1) * accum]
 
     # -- one step ------------------------------------------------------------------------------------------
     def _autocast(self):
@@ -241,6 +244,7 @@ class Trainer:
             return EvalResult(**done) if done else None
         if cfg.feature_mode == "offline":
             self.build_features()
+        self._stop_requested = False
         bar = tqdm(total=self.total_steps, initial=self.step, desc=f"train {cfg.preset}", unit="step",
                    disable=not cfg.progress, dynamic_ncols=True)
         with self._stop_on_signal():
@@ -273,8 +277,8 @@ class Trainer:
         order = sorted(self.eval_idx, key=lambda i: len(self.samples[i]))
         bs = self.config.batch_size
         batches = (self.features(order[i : i + bs]) for i in range(0, len(order), bs))
-        with self._autocast():
-            return evaluate(self.model, self.teacher, batches, self.config.ttt_steps, self.config.step_weights)
+        return evaluate(self.model, self.teacher, batches, self.config.ttt_steps, self.config.step_weights,
+                        autocast=self._autocast)
 
     def _log_step(self, stats: StepStats, lr: float, elapsed: float, bar) -> None:
         record = {

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
 
 import pytest
 import torch
@@ -76,12 +78,22 @@ def test_resume_equals_uninterrupted_run_and_head_loads(target, tmp_path):
     assert full.extractor.graphs_captured == 1
 
     first = Trainer(_config(tmp_path, "split"), target=target, samples=samples)
-    first.train(stop_after=3)                                      # "interrupted" after step 3 (mid-epoch 2)
-    assert first.step == 3 and not (tmp_path / "split" / "head").exists()
+    assert first.train(stop_after=2) is None and first.step == 2
+    second = Trainer(_config(tmp_path, "split"), target=target, samples=samples)
+    assert second.step == 2
+    real_step = second.train_step
+
+    def ctrl_c_during_step(batches):                              # Ctrl-C arrives in the middle of step 3
+        os.kill(os.getpid(), signal.SIGINT)
+        return real_step(batches)
+
+    second.train_step = ctrl_c_during_step
+    assert second.train() is None                                 # the step finished, then it stopped
+    assert second.step == 3 and not (tmp_path / "split" / "head").exists()
     resumed = Trainer(_config(tmp_path, "split"), target=target, samples=samples)
-    assert resumed.step == 3
+    assert resumed.step == 3                                      # mid-epoch 2
     resumed.train()
-    assert first.extractor is None and resumed.extractor is None   # the cache was complete: target not run
+    assert resumed.extractor is None                              # the cache was complete: target not run
 
     a, b = full.model.state_dict(), resumed.model.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -120,3 +132,13 @@ def test_eagle3_head_has_its_flags_off(target, tmp_path):
     config = json.loads((tmp_path / "head" / "config.json").read_text())
     assert config["fc_norm"] is False and config["norm_output"] is False
     assert not hasattr(load_draft(tmp_path / "head", target=target), "fc_norm")
+
+
+def test_bf16_autocast_stays_out_of_the_target_program(tmp_path):
+    """amp="bf16" autocasts the head only: the target's captured program keeps its one float32 graph (a float64
+    target would hide a leak: autocast leaves float64 alone)."""
+    cfg = _config(tmp_path, "amp", feature_mode="online", amp="bf16", max_steps=2, grad_accum=1)
+    trainer = Trainer(cfg, target=tiny_target("llama").float(), samples=hand_samples(8, vocab=96))
+    result = trainer.train()
+    assert trainer.extractor.graphs_captured == 1
+    assert result is not None and all(0.0 <= a <= 1.0 for a in result.accuracies) and result.loss > 0
