@@ -1,4 +1,4 @@
-"""The `eagle31` command line: `demo` and `generate` (training: `eagle31 train`, when eagle_compile.train exists)."""
+"""The `eagle31` command line: `demo`, `generate` and `train`."""
 
 from __future__ import annotations
 
@@ -34,10 +34,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _add_train(sub) -> None:
-    try:
-        from eagle_compile.train.cli import add_train_parser
-    except ImportError:
-        return
+    from eagle_compile.train.cli import add_train_parser
+
     add_train_parser(sub)
 
 

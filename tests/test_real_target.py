@@ -1,0 +1,51 @@
+"""End to end on the embedded default target (SmolLM2-135M-Instruct, float32) with the shipped EAGLE 3.1 head:
+speculative greedy equals plain greedy on Spec-Bench prompts, and the head is accepted often enough."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import eagle_compile
+from eagle_compile.heads import shipped_head
+
+pytestmark = pytest.mark.slow
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
+QUESTION_IDS = (81, 161, 321)          # MT-bench writing, translation, qa: first turns
+
+
+@pytest.fixture(scope="module")
+def target():
+    torch.set_num_threads(2)
+    return eagle_compile.load_default_target(torch.float32)
+
+
+def _prompts(tokenizer):
+    rows = {r["question_id"]: r for r in map(json.loads, DATA.read_text().splitlines())}
+    out = []
+    for qid in QUESTION_IDS:
+        messages = [{"role": "user", "content": rows[qid]["turns"][0]}]
+        out.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                                 return_dict=True)["input_ids"])
+    return out
+
+
+def test_shipped_head_is_exact_and_accepted(target):
+    model, tokenizer = target
+    head = shipped_head()
+    assert head is not None, "no trained head ships in eagle_compile/heads/"
+    draft = eagle_compile.load_draft(head, target=model, dtype=torch.float32)
+    options = json.loads((head / "tree.json").read_text()) if (head / "tree.json").is_file() else {"chain": 4}
+    lengths = []
+    with torch.no_grad():
+        for ids in _prompts(tokenizer):
+            ref = model.generate(ids, max_new_tokens=64, do_sample=False)
+            out = eagle_compile.generate(model, ids, draft=draft, options=options, max_new_tokens=64,
+                                         return_dict_in_generate=True)
+            assert torch.equal(out.sequences, ref)
+            lengths += out.stats.acceptance_lengths
+    tau = sum(lengths) / len(lengths)
+    assert tau >= 2.0, f"mean acceptance length {tau:.2f} over 3 Spec-Bench prompts"
