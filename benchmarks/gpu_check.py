@@ -10,10 +10,10 @@ Sections (each guarded: one that crashes is reported and the others still run; t
 * (b) CUDA graphs: a small random Llama (4 layers, head_dim 128, GQA 8/2) in float32 with a random EAGLE 3.1
   head; for batch buckets (1, 2, 4, 8, 16) and real batch sizes 1, 2, 3, 5, 8, 13 (every bucket hit),
   `eagle_compile.generate(step_program=True, cudagraphs=True)` with the padding rows of the bucket's static
-  buffers set to NaN before every cycle (caches, draft cache, seeds), against the same call with
-  `cudagraphs=False` (must be token-identical) and against HF greedy `model.generate` (float32; on a mismatch
-  the target's top-2 logit margin at the first differing token says whether it is a near tie). The replay
-  counter must equal the number of cycles (> 0): the graphs really ran.
+  buffers (target cache, draft cache, seeds) overwritten with stale garbage (1e4) before every cycle, against
+  the same call with `cudagraphs=False` (must be token-identical) and against HF greedy `model.generate`
+  (float32; on a mismatch the target's top-2 logit margin at the first differing token says whether it is a
+  near tie). The replay counter must equal the number of cycles (> 0): the graphs really ran.
 * (c) speed: a random-weight Llama-3.1-8B-shaped target (hidden 4096, 32 layers, 32 heads, 8 KV heads,
   intermediate 14336, vocab 128256) in bf16, built on the GPU, with a 1-layer EAGLE 3.1 head (draft vocabulary
   32000); at batch 1, 8 and 64 over a 512-token context: a plain decode step (eager, and dynamo-captured +
@@ -22,6 +22,10 @@ Sections (each guarded: one that crashes is reported and the others still run; t
   read) over the time give the achieved bandwidth, set against a device-to-device copy measured in the same
   run. `break-even tau` = speculative step time / plain step time: the mean acceptance length a trained head
   needs for speculative decoding to beat plain decoding at that batch.
+* (n) the padded cases of (b) again with NaN instead of garbage: a NaN row must stay in its row. It runs last
+  and stops at its first crash, because a crash here is a device-side assert that ends every later CUDA call
+  of the process (seen on CPU: the Triton `draft_topk` returns draft id 2**31-1 for an all-NaN row, and the
+  draft's embedding lookup of that id fails).
 
 Run (device tool, one H200; prints a table last, writes gpu_check.json and gpu_check.md under --out):
 
@@ -42,14 +46,16 @@ Without a CUDA device the script says what it would do and exits 0 (`--require-g
 `--dry-run-cpu` runs every section on the CPU with tiny shapes, the Triton kernels through the Triton
 interpreter (`EAGLE31_TRITON_INTERPRET=1`), no CUDA graphs and wall-clock timers: it exercises the script's
 code paths and checks; its timings are not measurements. `--sections a,b` picks sections; `--budget-s` is the
-time budget (default 450 s): sub-steps that would start after it are skipped and listed. Exit status: 0 when
-every check passed, 1 when any check failed or a section crashed, 2 for `--require-gpu` without CUDA.
+time budget (default 450 s): sub-steps that would start after it are skipped and listed. `--negative-control`
+breaks the kernels' outputs (a) and poisons a real row (b, n): every such check must then fail. Exit status: 0
+when every check passed, 1 when any check failed or a section crashed, 2 for `--require-gpu` without CUDA.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import inspect
 import math
 import os
@@ -180,10 +186,8 @@ class Run:
         return [c for c in self.checks if not c["ok"]]
 
 
-def log(run: Run | None, msg: str) -> None:
-    stamp = time.strftime("%H:%M:%S")
-    prefix = f"[+{run.elapsed():6.1f}s {stamp}]" if run is not None else f"[{stamp}]"
-    print(f"{prefix} {msg}", flush=True)
+def log(run: Run, msg: str) -> None:
+    print(f"[+{run.elapsed():6.1f}s {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def median_ms(run: Run, fn: Callable[[], Any], *, warmup: int, repeats: int) -> float:
@@ -797,12 +801,9 @@ def spec_step(run: Run, model, options: dict, batch: int, plan: dict):
 
 
 def section_speed(run: Run) -> None:
-    import eagle_compile
-    from eagle_compile.options import parse_options
     from eagle_compile.runtime.generate import _decoders
 
     plan = SPEED_PLAN[run.mode]
-    reps = dict(warmup=plan["warmup"], repeats=plan["repeats"])
     copy_gbs = copy_bandwidth(run, plan["copy_bytes"])
     log(run, f"device-to-device copy: {copy_gbs:.0f} GB/s (bytes read + written, {plan['copy_bytes'] >> 20} MiB)")
     run.rows["c"].append({"batch": None, "mode": "device-to-device copy", "ms": None, "gb": None,
@@ -814,56 +815,76 @@ def section_speed(run: Run) -> None:
              f"on {run.device} in {time.perf_counter() - t:.1f} s")
     if run.cuda:
         check_kernel_choices(run, "c", BF16)
-    element = 2
-    plain_ms = {}
+    plain_ms: dict[int, float] = {}
     for batch in plan["batches"]:
-        if not run.time_left(f"(c) plain decode, batch {batch}"):
-            continue
-        eager, captured = plain_step(model, batch, plan["context"], run.device, BF16)
-        nbytes = weight_bytes(model, skip=("model.embed_tokens",)) + kv_bytes(model.config, batch,
-                                                                             plan["context"] + 1, element)
-        timings = {"plain decode, eager": median_ms(run, eager, **reps)}
-        replay = graph_of(captured) if run.cuda else captured
-        key = "plain decode, CUDA graph" if run.cuda else "plain decode, dynamo (no graph: CPU)"
-        timings[key] = median_ms(run, replay, **reps)
-        plain_ms[batch] = min(timings.values())           # break-even tau is against the faster plain step
-        for mode, ms in timings.items():
-            _speed_row(run, batch, mode, ms, nbytes, copy_gbs, plain_ms[batch], plan["context"], None)
-        del eager, captured, replay
-        _free(run)
+        if run.time_left(f"(c) plain decode, batch {batch}"):
+            guarded(run, "c", f"plain decode, batch {batch}",
+                    functools.partial(time_plain, run, model, batch, plan, copy_gbs, plain_ms))
     for name, tree in SPEED_TREES.items():
         options = {**tree, "step_program": True, "cudagraphs": True, "batch_buckets": plan["batches"],
                    "max_cache_len": plan["slots"], "prefill_chunk": plan["prefill_chunk"]}
         for batch in plan["batches"]:
-            if not run.time_left(f"(c) {name}, batch {batch}", need_s=20):
-                continue
-            ids = torch.randint(3, model.config.vocab_size, (batch, plan["context"]), device=run.device)
-            t = time.perf_counter()
-            out = eagle_compile.generate(model, ids, draft=head, options=options, max_new_tokens=4,
-                                         return_dict_in_generate=True)
-            log(run, f"{name}, batch {batch}: generate with capture took {time.perf_counter() - t:.1f} s "
-                     f"({out.stats.graphs_captured} dynamo graphs so far, {out.stats.cuda_graph_replays} replays)")
-            if run.cuda:
-                run.check("c", f"{name}, batch {batch}: CUDA graph replayed", out.stats.cuda_graph_replays > 0,
-                          f"{out.stats.cuda_graph_replays} replays")
-            call, state = spec_step(run, model, options, batch, plan)
-            calls, opts = plan["warmup"] + plan["repeats"], parse_options(options)
-            room = plan["slots"] - int(state.n.max()) - opts.tree_tokens - 2      # a step past it writes out of range
-            if not run.check("c", f"{name}, batch {batch}: the cache has room for the timed steps",
-                             room >= calls * (opts.tree_depth + 1), f"{room} free slots, {calls} steps"):
-                continue
-            before = state.n.clone()
-            ms = median_ms(run, call, **reps)
-            advanced = int((state.n - before).min())
-            run.check("c", f"{name}, batch {batch}: every timed step advanced every row", advanced >= calls,
-                      f"rows advanced >= {advanced} tokens over {calls} steps")
-            context = (before.float().mean().item() + state.n.float().mean().item()) / 2
-            nbytes = spec_bytes(model, head, options, batch, context)
-            mode = f"speculative {name}, {'CUDA graph' if run.cuda else 'no graph (CPU)'}"
-            _speed_row(run, batch, mode, ms, nbytes, copy_gbs, plain_ms.get(batch), context, out.stats.tau)
-            del call, state, out
+            if run.time_left(f"(c) {name}, batch {batch}", need_s=20):
+                guarded(run, "c", f"{name}, batch {batch}",
+                        functools.partial(time_spec, run, model, head, name, options, batch, plan, copy_gbs, plain_ms))
         _decoders.get(model, {}).clear()       # drop this tree's decoder: its static buffers and graphs
         _free(run)
+
+
+def guarded(run: Run, section: str, label: str, fn: Callable[[], None]) -> None:
+    """One sub-step: a crash fails it and the next one runs, unless the crash broke CUDA for the process."""
+    try:
+        fn()
+    except Exception as e:
+        traceback.print_exc()
+        run.check(section, f"{label} ran", False, f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
+        if run.cuda and "CUDA" in str(e):
+            raise
+    _free(run)
+
+
+def time_plain(run: Run, model, batch: int, plan: dict, copy_gbs: float, plain_ms: dict) -> None:
+    reps = dict(warmup=plan["warmup"], repeats=plan["repeats"])
+    eager, captured = plain_step(model, batch, plan["context"], run.device, BF16)
+    nbytes = weight_bytes(model, skip=("model.embed_tokens",)) + kv_bytes(model.config, batch, plan["context"] + 1,
+                                                                         BF16.itemsize)
+    timings = {"plain decode, eager": median_ms(run, eager, **reps)}
+    key = "plain decode, CUDA graph" if run.cuda else "plain decode, dynamo (no graph: CPU)"
+    timings[key] = median_ms(run, graph_of(captured) if run.cuda else captured, **reps)
+    plain_ms[batch] = min(timings.values())           # break-even tau is against the faster plain step
+    for mode, ms in timings.items():
+        _speed_row(run, batch, mode, ms, nbytes, copy_gbs, plain_ms[batch], plan["context"], None)
+
+
+def time_spec(run: Run, model, head, name: str, options: dict, batch: int, plan: dict, copy_gbs: float,
+              plain_ms: dict) -> None:
+    import eagle_compile
+    from eagle_compile.options import parse_options
+
+    ids = torch.randint(3, model.config.vocab_size, (batch, plan["context"]), device=run.device)
+    t = time.perf_counter()
+    out = eagle_compile.generate(model, ids, draft=head, options=options, max_new_tokens=4,
+                                 return_dict_in_generate=True)
+    log(run, f"{name}, batch {batch}: generate with capture took {time.perf_counter() - t:.1f} s "
+             f"({out.stats.graphs_captured} dynamo graphs so far, {out.stats.cuda_graph_replays} replays)")
+    if run.cuda:
+        run.check("c", f"{name}, batch {batch}: CUDA graph replayed", out.stats.cuda_graph_replays > 0,
+                  f"{out.stats.cuda_graph_replays} replays")
+    call, state = spec_step(run, model, options, batch, plan)
+    calls, opts = plan["warmup"] + plan["repeats"], parse_options(options)
+    room = plan["slots"] - int(state.n.max()) - opts.tree_tokens - 2      # a step past it writes out of range
+    if not run.check("c", f"{name}, batch {batch}: the cache has room for the timed steps",
+                     room >= calls * (opts.tree_depth + 1), f"{room} free slots, {calls} steps"):
+        return
+    before = state.n.clone()
+    ms = median_ms(run, call, warmup=plan["warmup"], repeats=plan["repeats"])
+    advanced = int((state.n - before).min())
+    run.check("c", f"{name}, batch {batch}: every timed step advanced every row", advanced >= calls,
+              f"rows advanced >= {advanced} tokens over {calls} steps")
+    context = (before.float().mean().item() + state.n.float().mean().item()) / 2
+    nbytes = spec_bytes(model, head, options, batch, context)
+    mode = f"speculative {name}, {'CUDA graph' if run.cuda else 'no graph (CPU)'}"
+    _speed_row(run, batch, mode, ms, nbytes, copy_gbs, plain_ms.get(batch), context, out.stats.tau)
 
 
 def _speed_row(run: Run, batch, mode, ms, nbytes, copy_gbs, plain, context, tau) -> None:
@@ -902,14 +923,8 @@ def markdown(run: Run, env: dict, sections: list[str]) -> str:
               "PASS" if r["ok"] else "FAIL", fmt(r.get("triton_ms"), ".3f"), fmt(r.get("reference_ms"), ".3f"),
               fmt(r["reference_ms"] / r["triton_ms"] if r.get("triton_ms") else None, ".2f")]
              for r in run.rows["a"]]), ""]
-    for key, title in (("b", "(b) CUDA graphs per bucket, padding rows poisoned with finite garbage"),
-                       ("n", "(n) the same with NaN-poisoned padding rows")):
-        if key in sections:
-            parts += [f"## {title}", "", markdown_table(
-                ["bucket", "real rows", "padding rows", "poisoned elements", "cycles", "graph replays",
-                 "graphs == eager", "== HF greedy", "tau"],
-                [[r["bucket"], r["real"], r["padding_rows"], r["poisoned_elements"], r["cycles"], r["replays"],
-                  r["graphs_eq_eager"], r["eq_hf"], f"{r['tau']:.2f}"] for r in run.rows[key]]), ""]
+    if "b" in sections:
+        parts += _graph_table(run, "b", "(b) CUDA graphs per bucket, padding rows poisoned with finite garbage")
     if "c" in sections:
         parts += ["## (c) decode step time and achieved memory bandwidth (random Llama-3.1-8B shape, bf16)", "",
                   markdown_table(
@@ -922,6 +937,8 @@ def markdown(run: Run, env: dict, sections: list[str]) -> str:
                   "lm_head per level, fc once). break-even tau: speculative step time / plain step time (CUDA "
                   "graph), the acceptance length a trained head must reach to beat plain decoding. The heads here "
                   "are random (tau about 1), so no speedup is claimed.", ""]
+    if "n" in sections:
+        parts += _graph_table(run, "n", "(n) CUDA graphs per bucket, NaN-poisoned padding rows")
     if run.notes:
         parts += ["## Notes", ""] + [f"- {n}" for n in run.notes] + [""]
     if run.skipped:
@@ -930,6 +947,16 @@ def markdown(run: Run, env: dict, sections: list[str]) -> str:
     parts += [f"**{len(run.checks) - len(failed)} of {len(run.checks)} checks passed.**", ""]
     parts += [f"- FAIL ({c['section']}) {c['name']}: {c['detail']}" for c in failed]
     return "\n".join(parts) + "\n"
+
+
+def _graph_table(run: Run, key: str, title: str) -> list[str]:
+    from common import markdown_table
+
+    return [f"## {title}", "", markdown_table(
+        ["bucket", "real rows", "padding rows", "poisoned elements", "cycles", "graph replays", "graphs == eager",
+         "== HF greedy", "tau"],
+        [[r["bucket"], r["real"], r["padding_rows"], r["poisoned_elements"], r["cycles"], r["replays"],
+          r["graphs_eq_eager"], r["eq_hf"], f"{r['tau']:.2f}"] for r in run.rows[key]]), ""]
 
 
 def write_outputs(run: Run, out: Path, env: dict, args: argparse.Namespace, *, final: bool) -> None:
@@ -957,7 +984,7 @@ def environment(run: Run) -> dict:
     try:
         import triton
         env["triton"] = triton.__version__
-    except Exception as e:  # noqa: BLE001 (a broken install raises anything)
+    except Exception as e:  # a broken install raises anything, not only ImportError
         env["triton"] = f"not importable ({type(e).__name__}: {e})"
     env["device"] = torch.cuda.get_device_name() if run.cuda else "cpu"
     env["time"] = time.strftime("%Y-%m-%d %H:%M:%S")

@@ -16,6 +16,7 @@ from eagle_compile.errors import OptionsError
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _INNER = ("eager", "inductor")
+_KERNELS = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,9 @@ class EagleOptions:
     whole cycle (draft -> verify -> accept -> commit) as one graph and lowers it with the step passes (fused
     eagle31 ops); False runs the cycle as a host loop around the captured target program. `cudagraphs=True`
     captures one CUDA graph per batch bucket around the step and replays it (CUDA only; on other devices the
-    statistics say it was not applied).
+    statistics say it was not applied). `kernels` decides whether the step passes swap traced code for the
+    eagle31 fused ops: "on", "off", or "auto" = on where the Triton kernels run (CUDA, or the interpreter when
+    EAGLE31_TRITON_INTERPRET=1); on CPU their torch references are no faster than the traced ops they replace.
     """
 
     draft: Any = None
@@ -47,6 +50,7 @@ class EagleOptions:
     inner_backend: str = "eager"
     step_program: bool = False
     cudagraphs: bool = False
+    kernels: str = "auto"
     max_cache_len: int | None = None
     cache_len_multiple: int = 256
 
@@ -67,6 +71,8 @@ class EagleOptions:
             raise OptionsError(f"batch_buckets={buckets!r}: give a strictly increasing sequence of positive ints, "
                                f"e.g. {DEFAULT_BUCKETS}")
         object.__setattr__(self, "batch_buckets", tuple(buckets))
+        if self.kernels not in _KERNELS:
+            raise OptionsError(f"kernels={self.kernels!r}; valid values: {list(_KERNELS)}")
         if self.inner_backend not in _INNER:
             raise OptionsError(f"inner_backend={self.inner_backend!r}; valid values: {list(_INNER)}")
         _check_positive_int("cache_len_multiple", self.cache_len_multiple)

@@ -93,10 +93,13 @@ def _draft_topk_merge_kernel(
     for i in tl.static_range(K):
         best = tl.reduce(vals, 0, tl.standard._elementwise_max)
         pick = tl.reduce(tl.where(vals == best, ids, NO_ID), 0, tl.standard._elementwise_min)
-        offset = tl.load(d2t_ptr + pick.to(tl.int64) * s_d2t, mask=pick != NO_ID, other=0)
+        # a row without a comparable logit (NaN/inf, e.g. a poisoned padding row) still emits a valid id (0):
+        # an out-of-range id would fault the embedding lookup of the next draft step
+        safe = tl.where(pick == NO_ID, 0, pick).to(tl.int64)
+        offset = tl.load(d2t_ptr + safe * s_d2t)
         tl.store(logp_ptr + row * slp_n + i * slp_k, best - lse)
-        tl.store(did_ptr + row * sdi_n + i * sdi_k, pick.to(tl.int64))
-        tl.store(tid_ptr + row * sti_n + i * sti_k, pick.to(tl.int64) + offset)
+        tl.store(did_ptr + row * sdi_n + i * sdi_k, safe)
+        tl.store(tid_ptr + row * sti_n + i * sti_k, safe + offset)
         vals = tl.where(ids == pick, float("-inf"), vals)
 
 

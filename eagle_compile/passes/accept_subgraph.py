@@ -23,6 +23,8 @@ _TREE = ("tokens", "parents", "depth", "valid")
 
 
 def accept_subgraph(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
+    if ctx.kernels_off("accept_subgraph"):
+        return gm
     ex = ctx.step_examples
     if ex is None:
         ctx.record("accept_subgraph", 0, "no step examples: not a step program")

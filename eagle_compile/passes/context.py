@@ -26,10 +26,19 @@ class PassContext:
     embedding_output: torch.fx.Node | None = None
     num_original_outputs: int | None = None
     step_examples: Any = None   # runtime.step_program.StepExamples when the graph is a step program
+    use_kernels: bool = True    # whether passes may swap traced code for eagle31 fused ops
+    kernels_reason: str = ""
 
     @property
     def num_layers(self) -> int:
         return len(self.layer_outputs)
+
+    def kernels_off(self, pass_name: str) -> bool:
+        """True (and the 0 recorded, with the reason) when fused-kernel substitution is off for this graph."""
+        if self.use_kernels:
+            return False
+        self.record(pass_name, 0, f"kernels off: {self.kernels_reason}")
+        return True
 
     def record(self, pass_name: str, sites: int, detail: str = "") -> None:
         """Count the sites a pass rewrote (0 is a valid, recorded count) and log it."""

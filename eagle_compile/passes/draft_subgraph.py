@@ -22,6 +22,8 @@ from eagle_compile.passes.patterns import call_op_outputs, find_input, replace_p
 
 
 def draft_subgraph(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
+    if ctx.kernels_off("draft_subgraph"):
+        return gm
     examples = ctx.step_examples
     drafter = getattr(examples, "drafter", None) if examples is not None else None
     model = getattr(drafter, "model", None)

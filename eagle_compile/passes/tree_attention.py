@@ -22,6 +22,8 @@ _SDPA = {torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attenti
 
 def tree_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
     """Swap masked SDPA nodes for the eagle31 tree-attention op."""
+    if ctx.kernels_off("tree_attention"):
+        return gm
     import eagle_compile.kernels  # noqa: F401  (registers torch.ops.eagle31.*)
 
     rewritten = skipped = 0
@@ -35,17 +37,65 @@ def tree_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Graph
         scale = args["scale"]
         if scale is None:
             scale = 1.0 / math.sqrt(args["query"].meta["example_value"].shape[-1])
+        key, value = _kv_heads(args["key"]), _kv_heads(args["value"])
         with gm.graph.inserting_before(node):
             new = gm.graph.call_function(torch.ops.eagle31.tree_attention.default,
-                                         (args["query"], args["key"], args["value"], args["attn_mask"], float(scale)))
+                                         (args["query"], key, value, args["attn_mask"], float(scale)))
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
+        for expanded in (args["key"], args["value"]):
+            _erase_dead_chain(gm.graph, expanded)
         rewritten += 1
     gm.graph.lint()
     gm.recompile()
     ctx.record("tree_attention", rewritten, f"{skipped} unmasked/causal SDPA left alone" if skipped else "")
     return gm
+
+
+def _kv_heads(node: torch.fx.Node) -> torch.fx.Node:
+    """Look through the grouped-query expansion in front of SDPA to the cache's KV-head tensor.
+
+    HF's `repeat_kv` is `x[:, :, None].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)`; the draft head
+    uses `repeat_interleave(n_rep, dim=1)`. Both copy the whole cache at query-head width; the op reads the
+    KV heads directly (GQA), so the expansion becomes dead code.
+    """
+    if _is(node, "reshape") and isinstance(node.args[0], torch.fx.Node) and _is(node.args[0], "expand"):
+        inner = node.args[0].args[0]
+        if isinstance(inner, torch.fx.Node) and _is_unsqueeze_2(inner):
+            return inner.args[0]
+    if _is(node, "repeat_interleave"):
+        dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else None)
+        if dim == 1 and isinstance(node.args[0], torch.fx.Node):
+            return node.args[0]
+    return node
+
+
+_PURE_VIEWS = ("reshape", "expand", "getitem", "repeat_interleave", "unsqueeze", "to")
+
+
+def _erase_dead_chain(graph: torch.fx.Graph, node) -> None:
+    """Erase a grouped-query expansion left without users, walking up through pure view/copy ops only
+    (not `graph.eliminate_dead_code`: it would also drop in-place cache writes, which have no users)."""
+    while isinstance(node, torch.fx.Node) and not node.users and any(_is(node, n) for n in _PURE_VIEWS):
+        parent = node.args[0] if node.args else None
+        graph.erase_node(node)
+        node = parent
+
+
+def _is(node: torch.fx.Node, name: str) -> bool:
+    if node.op == "call_method":
+        return node.target == name
+    return node.op == "call_function" and getattr(node.target, "__name__", "") == name
+
+
+def _is_unsqueeze_2(node: torch.fx.Node) -> bool:
+    """`x[:, :, None]` (getitem with None at position 2) or `x.unsqueeze(2)`."""
+    if node.op == "call_function" and getattr(node.target, "__name__", "") == "getitem":
+        index = node.args[1]
+        return isinstance(index, tuple) and len(index) >= 3 and index[2] is None and all(
+            isinstance(i, slice) and i == slice(None) for i in index[:2])
+    return _is(node, "unsqueeze") and node.args[1:] == (2,)
 
 
 def _sdpa_args(node: torch.fx.Node) -> dict:

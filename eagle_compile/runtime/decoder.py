@@ -69,7 +69,7 @@ class SpeculativeDecoder:
         step = SpeculativeStep(self.drafter, self.shape, sampling, traced_target_forward(self.model, width))
         return StepProgram(step, self.capture_indices, type(self.model).__name__, feature_width=width,
                            vocab_size=self.model.get_output_embeddings().out_features,
-                           inner_backend=self.options.inner_backend,
+                           inner_backend=self.options.inner_backend, kernels=self.options.kernels,
                            recompile_limit=2 * len(self.options.batch_buckets) + 8)
 
     @property

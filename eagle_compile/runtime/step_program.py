@@ -43,28 +43,36 @@ class StepProgram:
     """Callable with the signature of `SpeculativeStep.__call__`, running the captured, rewritten step."""
 
     def __init__(self, step: SpeculativeStep, capture_indices: tuple[int, ...] | None, architecture: str, *,
-                 feature_width: int, vocab_size: int, inner_backend: str = "eager", recompile_limit: int = 64) -> None:
+                 feature_width: int, vocab_size: int, inner_backend: str = "eager", kernels: str = "auto",
+                 recompile_limit: int = 64) -> None:
         self.step = step
         self.capture_indices = capture_indices
         self.architecture = architecture
         self.feature_width = feature_width
         self.vocab_size = vocab_size
         self.inner_backend = inner_backend
+        self.kernels = kernels
         self.contexts: list[PassContext] = []
-        self._examples: StepExamples | None = None
+        self._args: tuple | None = None
         self._compiled = torch.compile(step.__call__, backend=self._backend, fullgraph=True, dynamic=False,
                                        recompile_limit=recompile_limit, isolate_recompiles=True)
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        state, cache, uniforms = self._args
+        use, reason = use_kernels(self.kernels, state.n.device)
         ctx = PassContext(capture_indices=self.capture_indices, architecture=self.architecture,
-                          step_examples=self._examples)
+                          step_examples=self._make_examples(state, cache, uniforms), use_kernels=use,
+                          kernels_reason=reason)
         gm = run_passes(gm, ctx, STEP_PASSES)
         self.contexts.append(ctx)
         return lower(gm, example_inputs, self.inner_backend)
 
     def __call__(self, state: StepState, cache, draft_kv, uniforms, final_uniform):
-        self._examples = self._make_examples(state, cache, uniforms)
-        return self._compiled(state, cache, draft_kv, uniforms, final_uniform)
+        self._args = (state, cache, uniforms)      # read only if this call (re)captures the graph
+        try:
+            return self._compiled(state, cache, draft_kv, uniforms, final_uniform)
+        finally:
+            self._args = None
 
     def _make_examples(self, state: StepState, cache, uniforms) -> StepExamples:
         shape = self.step.shape
@@ -91,3 +99,19 @@ class StepProgram:
     @property
     def graphs_captured(self) -> int:
         return len(self.contexts)
+
+
+def use_kernels(setting: str, device: torch.device) -> tuple[bool, str]:
+    """Whether the step passes substitute the eagle31 fused ops, and why."""
+    from eagle_compile.kernels._dispatch import interpreter_requested
+
+    if setting == "on":
+        return True, "kernels='on'"
+    if setting == "off":
+        return False, "kernels='off'"
+    if device.type == "cuda":
+        return True, "CUDA: the Triton kernels run"
+    if interpreter_requested():
+        return True, "EAGLE31_TRITON_INTERPRET=1: the Triton kernels run through the interpreter"
+    return False, (f"kernels='auto' on {device.type}: the ops would run their torch references, which are no "
+                   "faster than the traced code they replace")

@@ -11,7 +11,7 @@ import eagle_compile
 import eagle_compile.runtime.step as step_module
 from eagle_compile.passes import STEP_PASSES
 
-SHAPE = {"depth": 3, "top_k": 2, "total_tokens": 6, "prefill_chunk": 8}
+SHAPE = {"depth": 3, "top_k": 2, "total_tokens": 6, "prefill_chunk": 8, "kernels": "on"}
 
 
 def _generate(target, head, ids, mask, lowered: bool, **kwargs):
@@ -50,11 +50,21 @@ def test_step_passes_rewrite_the_expected_sites():
     }
 
 
-def _counts_after_generate(target, head, ids, mask):
+def test_kernels_auto_on_cpu_keeps_the_traced_code_and_says_why():
+    target = tiny_target("llama", seed=2)
+    head = random_head(target, flags=True, seed=1, reduced=False)
+    ids, mask = ragged_batch(1, seed=3)
+    counts = _counts_after_generate(target, head, ids, mask, kernels="auto")
+    assert counts["draft_subgraph"] == counts["accept_subgraph"] == counts["tree_attention"] == 0
+    assert counts["static_kv"] > 0 and counts["tap_features"] == 3
+
+
+def _counts_after_generate(target, head, ids, mask, kernels="on"):
     from eagle_compile.runtime.generate import _decoders
 
-    _generate(target, head, ids, mask, lowered=True)
-    (decoder,) = [d for d in _decoders[target].values() if d.options.step_program]
+    eagle_compile.generate(target, ids, attention_mask=mask, draft=head, max_new_tokens=4,
+                           options={**SHAPE, "step_program": True, "kernels": kernels})
+    (decoder,) = [d for d in _decoders[target].values() if d.options.step_program and d.options.kernels == kernels]
     (program,) = decoder._steps.values()
     (ctx,) = program.contexts
     return ctx.counts
