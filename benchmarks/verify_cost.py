@@ -413,7 +413,8 @@ def markdown(result: dict) -> str:
               _ranking_table(result["choice"]["ranking"][:10]), "",
               f"**Chosen: `{json.dumps(result['choice']['best']['options'])}`** (written to {result['tree_out']})", ""]
     if result["choice"]["best"]["speedup"] < 1.0:
-        lines += ["No shape is predicted to beat plain decoding with this head: the choice is the cheapest cycle.", ""]
+        lines += ["No shape is predicted to beat plain decoding with this head: the choice is the shape that loses "
+                  "least (the highest predicted ratio).", ""]
     return "\n".join(lines)
 
 
