@@ -53,3 +53,18 @@ def test_shipped_head_is_exact_and_accepted(target):
             lengths += out.stats.acceptance_lengths
     tau = sum(lengths) / len(lengths)
     assert tau >= TAU_FLOOR, f"mean acceptance length {tau:.2f} over 3 Spec-Bench prompts"
+
+
+def test_stop_strings_end_the_output_like_hf(target):
+    model, tokenizer = target
+    draft = eagle_compile.load_draft(shipped_head(), target=model, dtype=torch.float32)
+    ids = _prompts(tokenizer)[0]
+    free = model.generate(ids, max_new_tokens=40, do_sample=False)
+    text = tokenizer.decode(free[0, ids.shape[1]:])
+    stop = text.split()[5]                         # a word the greedy continuation reaches after a few tokens
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=40, do_sample=False, stop_strings=[stop], tokenizer=tokenizer)
+        out = eagle_compile.generate(model, ids, draft=draft, options={"chain": 3}, max_new_tokens=40,
+                                     stop_strings=[stop], tokenizer=tokenizer)
+    assert ref.shape[1] < free.shape[1]            # the stop string did cut the output
+    assert torch.equal(out, ref)

@@ -24,7 +24,7 @@ SUPPORTED = "Llama, Qwen2, Qwen3, Mistral, SmolLM (decoder-only models with `mod
 def locate_layers(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
     """Record decoder-layer outputs in `ctx.layer_outputs` (index i = output of layer i); rewrites nothing."""
     last_in_layer: dict[int, torch.fx.Node] = {}
-    embedding: torch.fx.Node | None = None
+    embeds: list[torch.fx.Node] = []
     for node in gm.graph.nodes:
         stack = node.meta.get("nn_module_stack") or {}
         for path, cls in stack.values():
@@ -32,8 +32,8 @@ def locate_layers(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphM
             match = _LAYER_PATH.search(path)
             if match and _is_layer_class(cls_name):
                 last_in_layer[int(match.group(1))] = node
-            elif _EMBED_PATH.search(path) and 0 not in last_in_layer:
-                embedding = node    # the embedding that feeds layer 0 (a step graph also embeds draft tokens)
+            elif _EMBED_PATH.search(path):
+                embeds.append(node)
     ctx.architecture = ctx.architecture or _architecture(gm)
     if not last_in_layer:
         raise UnsupportedModelError(
@@ -47,9 +47,22 @@ def locate_layers(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphM
             "eagle31 cannot tell which residual stream is which capture index."
         )
     ctx.layer_outputs = [last_in_layer[i] for i in indices]
-    ctx.embedding_output = embedding
+    ctx.embedding_output = _embedding_feeding(ctx.layer_outputs[0], embeds)
     ctx.record("locate_layers", len(indices), f"{ctx.architecture}, {len(indices)} decoder layers")
     return gm
+
+
+def _embedding_feeding(layer0: torch.fx.Node, embeds: list[torch.fx.Node]) -> torch.fx.Node | None:
+    """The token-embedding output that layer 0 consumes (a step graph also embeds draft tokens elsewhere)."""
+    feeding, todo = set(), [layer0]
+    while todo:
+        node = todo.pop()
+        for arg in node.all_input_nodes:
+            if arg not in feeding:
+                feeding.add(arg)
+                todo.append(arg)
+    hits = [n for n in embeds if n in feeding and getattr(n.meta.get("example_value"), "dim", lambda: 0)() == 3]
+    return hits[-1] if hits else None
 
 
 def _is_layer_class(cls_name: str) -> bool:

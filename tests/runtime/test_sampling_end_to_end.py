@@ -10,7 +10,7 @@ from scipy.stats import chisquare
 from tiny import tiny_target
 
 import eagle_compile
-import eagle_compile.runtime.decoder as decoder_module
+import eagle_compile.runtime.step as step_module
 from eagle_compile.draft.config import DraftConfig
 from eagle_compile.draft.model import EagleDraftModel
 from eagle_compile.runtime.sampling import SamplingParams, target_probs
@@ -81,6 +81,6 @@ def test_negative_control_eager_acceptance_is_detected(setup, monkeypatch):
     def accept_every_draft_with_mass(tree, probs, uniforms, final_uniform):
         return verify_sample(tree, probs, torch.zeros_like(uniforms), final_uniform)
 
-    monkeypatch.setattr(decoder_module, "verify_sample", accept_every_draft_with_mass)
+    monkeypatch.setattr(step_module, "verify_sample", accept_every_draft_with_mass)
     counts, _ = _sample(target, head, prompt)
     assert _p_value(counts, joint) < 1e-6
