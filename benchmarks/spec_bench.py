@@ -220,7 +220,7 @@ def run_prompt(methods: Methods, tokenizer, question: dict, index: int, key: dic
                     "lossless": torch.equal(eagle.sequences, plain),
                     "histogram": {int(k): v for k, v in stats["histogram"].items()},
                     "cycles": stats["cycles"], "tree": stats["tree"],
-                    "times": {k: v for k, v in stats.items() if k.endswith("_time")}},
+                    "times": _time_split(stats)},
     }
 
 
@@ -238,6 +238,14 @@ def report_prompt(rec: dict, done: int, total: int) -> None:
     print(f"[{done}/{total}] {rec['category']} q{rec['question_id']} ({rec['prompt_tokens']} prompt tokens): "
           f"{rates}; tau {tau:.2f}; eagle31 {flag}; prompt lookup "
           f"{'exact' if rec['prompt_lookup']['matches_plain'] else 'differs'}; load {rec['load'][0]}", flush=True)
+
+
+def _time_split(stats: dict) -> dict[str, float]:
+    """prefill plus either the step's draft/verify/accept split (eager step) or the whole step (captured)."""
+    times = {k: v for k, v in stats.items() if k.endswith("_time") and v is not None}
+    if "draft_time" in times:
+        times.pop("step_time", None)      # step_time = draft + verify + accept (+ the host read)
+    return times
 
 
 # -- summary -----------------------------------------------------------------------------------------------------

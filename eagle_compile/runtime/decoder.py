@@ -52,6 +52,7 @@ class SpeculativeDecoder:
         self.program = TargetProgram(model, self.capture_indices, inner_backend=options.inner_backend,
                                      recompile_limit=4 * len(options.batch_buckets) + 8)
         self._steps: dict = {}
+        self.timings: dict[str, float] = {}      # draft / verify / accept seconds of the eager step, cumulative
         self._bucket_buffers: dict[tuple[int, int], BucketBuffers] = {}
         self._warned: set[str] = set()
         self._replays_before = 0
@@ -63,7 +64,7 @@ class SpeculativeDecoder:
 
     def _build_step(self, sampling: SamplingParams) -> SpeculativeStep | StepProgram:
         if not self.options.step_program:
-            return SpeculativeStep(self.drafter, self.shape, sampling, self.program)
+            return SpeculativeStep(self.drafter, self.shape, sampling, self.program, timings=self.timings)
         config = self.model.config.get_text_config()
         width = len(self.capture_indices) * config.hidden_size
         step = SpeculativeStep(self.drafter, self.shape, sampling, traced_target_forward(self.model, width))
@@ -94,6 +95,7 @@ class SpeculativeDecoder:
         buffers = self._buffers(batch, slots, device) if graphed else None
         cache, draft_kv = (buffers.cache, buffers.draft_kv) if graphed else self._caches(batch, slots, device)
 
+        timings_before = dict(self.timings)
         t0 = time.perf_counter()
         state = self._prefill(prompts, cache, draft_kv, sampling, generator, stopper, active)
         stats.prefill_time = time.perf_counter() - t0
@@ -107,6 +109,8 @@ class SpeculativeDecoder:
             stats.cuda_graph_replays = graphed.replays - self._replays_before
             self._replays_before = graphed.replays
         stats.new_tokens = sum(len(g) for g in stopper.generated)
+        for phase, seconds in self.timings.items():
+            setattr(stats, f"{phase}_time", seconds - timings_before.get(phase, 0.0))
         stats.graphs_captured = self.graphs_captured
         return stats
 

@@ -17,6 +17,9 @@ class GenerationStats:
     cycles: int = 0
     prefill_time: float = 0.0
     step_time: float = 0.0
+    draft_time: float | None = None    # split of step_time; None for a captured step program (one program)
+    verify_time: float | None = None
+    accept_time: float | None = None
     new_tokens: int = 0
     graphs_captured: int = 0
     cuda_graph_replays: int = 0
@@ -32,6 +35,7 @@ class GenerationStats:
 
     def as_dict(self) -> dict:
         return {"tau": self.tau, "histogram": self.histogram, "cycles": self.cycles, "new_tokens": self.new_tokens,
-                "prefill_time": self.prefill_time, "step_time": self.step_time, "tree": self.tree,
+                "prefill_time": self.prefill_time, "step_time": self.step_time, "draft_time": self.draft_time,
+                "verify_time": self.verify_time, "accept_time": self.accept_time, "tree": self.tree,
                 "graphs_captured": self.graphs_captured, "cuda_graph_replays": self.cuda_graph_replays,
                 "notes": self.notes}

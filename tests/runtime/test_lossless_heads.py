@@ -29,3 +29,4 @@ def test_speculative_greedy_equals_generate(arch, shape):
                                      max_new_tokens=14, return_dict_in_generate=True)
         assert torch.equal(out.sequences, ref), (arch, shape, rows)
         assert out.stats.cycles > 0 and out.stats.new_tokens == rows * 14
+        assert out.stats.draft_time > 0 and out.stats.verify_time > 0
