@@ -55,7 +55,6 @@ class SpeculativeDecoder:
         self.timings: dict[str, float] = {}      # draft / verify / accept seconds of the eager step, cumulative
         self._bucket_buffers: dict[tuple[int, int], BucketBuffers] = {}
         self._warned: set[str] = set()
-        self._replays_before = 0
 
     def _step(self, sampling: SamplingParams) -> SpeculativeStep | StepProgram:
         if sampling not in self._steps:
@@ -96,6 +95,7 @@ class SpeculativeDecoder:
         cache, draft_kv = (buffers.cache, buffers.draft_kv) if graphed else self._caches(batch, slots, device)
 
         timings_before = dict(self.timings)
+        replays_before = graphed.replays if graphed else 0
         t0 = time.perf_counter()
         state = self._prefill(prompts, cache, draft_kv, sampling, generator, stopper, active)
         stats.prefill_time = time.perf_counter() - t0
@@ -106,8 +106,7 @@ class SpeculativeDecoder:
         while bool(active.any()):
             self._cycle(state, cache, draft_kv, sampling, generator, stopper, active, stats, buffers)
         if graphed:
-            stats.cuda_graph_replays = graphed.replays - self._replays_before
-            self._replays_before = graphed.replays
+            stats.cuda_graph_replays = graphed.replays - replays_before
         stats.new_tokens = sum(len(g) for g in stopper.generated)
         for phase, seconds in self.timings.items():
             setattr(stats, f"{phase}_time", seconds - timings_before.get(phase, 0.0))
