@@ -101,13 +101,7 @@ class DraftAttention(nn.Module):
         attn_mask: torch.Tensor,  # [batch, 1, tokens, slots] additive
     ) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-
+        q, k, v = self.project_qkv(x, cos, sin)
         index = write_slots[:, None, :, None].expand(b, self.num_kv_heads, t, self.head_dim)
         kv.keys.scatter_(2, index, k.to(kv.keys.dtype))
         kv.values.scatter_(2, index, v.to(kv.values.dtype))
@@ -116,7 +110,22 @@ class DraftAttention(nn.Module):
         keys = kv.keys.to(q.dtype).repeat_interleave(groups, dim=1)  # [batch, heads, slots, head_dim]
         values = kv.values.to(q.dtype).repeat_interleave(groups, dim=1)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask.to(q.dtype))
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+        return self.project_out(out)
+
+    def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """[B, T, 2H] -> q [B, Hq, T, hd], k and v [B, Hkv, T, hd], RoPE applied to q and k (shared by the
+        cached inference path and training's block attention, `eagle_compile/train/ttt.py`)."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+    def project_out(self, attn: torch.Tensor) -> torch.Tensor:
+        """[B, Hq, T, hd] attention output -> [B, T, H]."""
+        b, _, t, _ = attn.shape
+        return self.o_proj(attn.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
 
 class EagleMidLayer(nn.Module):

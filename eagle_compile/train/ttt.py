@@ -102,28 +102,18 @@ def block_attention(
     return out
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
 def _step(model: EagleDraftModel, tokens, hidden, positions, keys, values, visible) -> torch.Tensor:
     """The midlayer (EAGLE31_SPEC.md §1.3) with block attention; appends this step's K/V; returns ``o``."""
     mid, att = model.midlayer, model.midlayer.self_attn
-    b, t, _ = hidden.shape
     embeds = model.embed_tokens(tokens).to(hidden.dtype)
     cos, sin = model.rotary_emb(hidden, positions)
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     hidden_n = mid.hidden_norm(hidden)
     residual = hidden_n if mid.norm_before_residual else hidden
     x = torch.cat([mid.input_layernorm(embeds), hidden_n], dim=-1)  # embedding first
-    q = att.q_proj(x).view(b, t, att.num_heads, att.head_dim).transpose(1, 2)
-    k = att.k_proj(x).view(b, t, att.num_kv_heads, att.head_dim).transpose(1, 2)
-    v = att.v_proj(x).view(b, t, att.num_kv_heads, att.head_dim).transpose(1, 2)
-    keys.append(_rope(k, cos, sin))
+    q, k, v = att.project_qkv(x, cos, sin)
+    keys.append(k)
     values.append(v)
-    attn = block_attention(_rope(q, cos, sin), keys, values, visible)
-    h = residual + att.o_proj(attn.transpose(1, 2).reshape(b, t, att.num_heads * att.head_dim))
+    h = residual + att.project_out(block_attention(q, keys, values, visible))
     return h + mid.mlp(mid.post_attention_layernorm(h))
 
 
