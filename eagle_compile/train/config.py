@@ -66,7 +66,9 @@ class TrainConfig:
     EAGLE-3 trainer) starts the draft's lm_head fresh; ``"target"`` copies the target's lm_head rows of the
     draft vocabulary (speculators does, and freezes them). Measured on SmolLM2-135M, the copy starts further
     from the teacher (step-0 loss 13.2 vs 9.9 nats, gradient norm ~700 vs ~25) because the untrained draft's
-    residual stream is not yet the target's, so it is not the default.
+    residual stream is not yet the target's, so it is not the default. ``init_head`` starts from a trained
+    head instead (fine-tuning, e.g. on self-distilled replies): its weights, draft vocabulary and capture
+    indices are kept, and its flags must be the preset's.
 
     Schedule: ``max_steps`` optimizer steps if given, else ``epochs`` passes; each step takes ``grad_accum``
     batches of ``batch_size`` conversations. Warmup is ``warmup_steps`` if given, else ``warmup_ratio`` of
@@ -93,6 +95,7 @@ class TrainConfig:
     preset: str = "eagle31"
     draft_vocab_size: int | None = 32000
     capture_indices: tuple[int, ...] | None = None
+    init_head: str | None = None
     lm_head_init: str = "random"
     freeze_lm_head: bool = False
     # training-time test

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from eagle_compile.draft.checkpoint import save_draft
+from eagle_compile.draft.checkpoint import load_draft, save_draft
 from eagle_compile.draft.config import DraftConfig
 from eagle_compile.draft.model import EagleDraftModel
 
@@ -38,6 +38,30 @@ def build_head(target: nn.Module, *, d2t: torch.Tensor, t2d: torch.Tensor, flags
     model.lm_head.weight.requires_grad_(not freeze_lm_head)
     model.tie_target_embedding(target)
     return model
+
+
+def load_head_for_training(path: str | Path, target: nn.Module, *, flags: dict[str, bool],
+                           capture_indices: tuple[int, ...] | None, freeze_lm_head: bool,
+                           dtype: torch.dtype) -> EagleDraftModel:
+    """A trained head to fine-tune: its weights and draft vocabulary, checked against the run's settings.
+
+    The head's flags must be the preset's and its capture indices the requested ones (when given): a
+    fine-tuned head that silently changed architecture would not be the head the command asked for.
+    """
+    from eagle_compile.errors import OptionsError
+
+    model = load_draft(path, target=target, dtype=dtype, device=target.get_output_embeddings().weight.device)
+    theirs = {name: getattr(model.config, name) for name in flags}
+    if theirs != flags:
+        raise OptionsError(f"--init-head {path} has flags {theirs}, but this run trains {flags}; pick the "
+                           "preset the head was trained with (--eagle31 or --eagle3)")
+    resolved = model.config.resolved_capture_indices(int(target.config.get_text_config().num_hidden_layers))
+    if capture_indices is not None and tuple(capture_indices) != tuple(resolved):
+        raise OptionsError(f"--init-head {path} taps capture indices {list(resolved)}, but "
+                           f"--capture-indices {list(capture_indices)} was given; drop --capture-indices")
+    model.lm_head.weight.requires_grad_(not freeze_lm_head)
+    model.tie_target_embedding(target)
+    return model.train()
 
 
 def save_head(model: EagleDraftModel, path: str | Path, dtype: torch.dtype | None = None) -> Path:

@@ -42,11 +42,11 @@ from eagle_compile.train.data import (
     split_eval,
     tokenize_records,
 )
-from eagle_compile.train.draft_vocab import select_draft_vocab, vocab_coverage
+from eagle_compile.train.draft_vocab import count_reply_tokens, select_draft_vocab, vocab_coverage
 from eagle_compile.train.evaluate import EvalResult, evaluate
 from eagle_compile.train.feature_cache import FeatureCache, build_feature_cache
 from eagle_compile.train.features import FeatureBatch, FeatureExtractor, TeacherHead
-from eagle_compile.train.head import build_head, save_head
+from eagle_compile.train.head import build_head, load_head_for_training, save_head
 from eagle_compile.train.loss import batch_loss
 from eagle_compile.train.schedule import build_optimizer, build_scheduler
 from eagle_compile.train.state import checkpoints, load_state, rng_state, save_state, set_rng_state
@@ -132,13 +132,19 @@ class Trainer:
 
         text_config = self.target.config.get_text_config()
         vocab_size, self.hidden_size = int(text_config.vocab_size), int(text_config.hidden_size)
-        d2t, t2d, counts = select_draft_vocab([samples[i] for i in self.train_idx], vocab_size,
-                                              config.draft_vocab_size or vocab_size)
-        self.vocab_coverage = vocab_coverage(counts, t2d)
+        train_samples = [samples[i] for i in self.train_idx]
         dtype = torch.float64 if next(self.target.parameters()).dtype == torch.float64 else torch.float32
-        self.model = build_head(self.target, d2t=d2t, t2d=t2d, flags=config.flags,
-                                capture_indices=config.capture_indices, lm_head_init=config.lm_head_init,
-                                freeze_lm_head=config.freeze_lm_head, dtype=dtype, seed=config.seed)
+        if config.init_head is not None:
+            self.model = load_head_for_training(config.init_head, self.target, flags=config.flags,
+                                                capture_indices=config.capture_indices,
+                                                freeze_lm_head=config.freeze_lm_head, dtype=dtype)
+            counts = count_reply_tokens(train_samples, vocab_size)
+        else:
+            d2t, t2d, counts = select_draft_vocab(train_samples, vocab_size, config.draft_vocab_size or vocab_size)
+            self.model = build_head(self.target, d2t=d2t, t2d=t2d, flags=config.flags,
+                                    capture_indices=config.capture_indices, lm_head_init=config.lm_head_init,
+                                    freeze_lm_head=config.freeze_lm_head, dtype=dtype, seed=config.seed)
+        self.vocab_coverage = vocab_coverage(counts, self.model.t2d.cpu())
         self.capture_indices = self.model.config.resolved_capture_indices(int(text_config.num_hidden_layers))
         self.teacher = TeacherHead(self.target, self.model.t2d)
         self.extractor: FeatureExtractor | None = None

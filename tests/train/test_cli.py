@@ -57,3 +57,27 @@ def test_train_subcommand_end_to_end(tmp_path, capsys):
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == steps
     with pytest.raises(SystemExit):
         eagle31(["train", "--eagle3", "--eagle31"])                  # mutually exclusive presets
+
+
+def test_regen_dtype_generates_with_a_copy_and_trains_the_original(tmp_path, monkeypatch):
+    """--regen-dtype bfloat16: the replies come from a bfloat16 copy; training gets the float32 target."""
+    import torch
+
+    import eagle_compile.train.regenerate as regenerate
+    from eagle_compile.train.cli import _regenerate
+    from eagle_compile.train.regenerate import RegenerateStats
+
+    tok = tiny_tokenizer()
+    target = tiny_target("llama", vocab=len(tok)).float()
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "mix.jsonl").write_text(json.dumps({"id": "r0", "source": "s", "instruction": "hi", "output": "x"}) + "\n")
+    seen = []
+    monkeypatch.setattr(regenerate, "regenerate_responses",
+                        lambda model, *a, **k: seen.append(next(model.parameters()).dtype) or RegenerateStats())
+    args = build_parser().parse_args(["--data-dir", str(data), "--data-files", "mix.jsonl", "--regenerate",
+                                      "--regen-dtype", "bfloat16", "--output-dir", str(tmp_path / "run")])
+    config, kwargs = _regenerate(config_from_args(args), args, lambda config, device: (target, tok))
+    assert seen == [torch.bfloat16]
+    assert kwargs["target"] is target and next(target.parameters()).dtype == torch.float32
+    assert config.responses == str(tmp_path / "run" / "responses.jsonl")

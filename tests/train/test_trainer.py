@@ -122,6 +122,40 @@ def test_resume_equals_uninterrupted_run_and_head_loads(target, tmp_path):
         Trainer(_config(tmp_path, "split"), target=target, samples=hand_samples(12, vocab=96, seed=1))
 
 
+def test_init_head_fine_tunes_a_trained_head_and_keeps_its_vocabulary(target, tmp_path):
+    """--init-head: step 0 is the given head (weights, d2t/t2d; not the vocabulary this data would pick), the
+    run trains it further, and a head whose flags or capture indices differ from the run's is refused."""
+    d2t, t2d = build_vocab_mapping_for_test(96, 40)
+    head = build_head(target, d2t=d2t, t2d=t2d, flags={"fc_norm": True, "norm_output": True},
+                      capture_indices=None, lm_head_init="random", freeze_lm_head=False, dtype=torch.float64,
+                      seed=3)
+    save_head(head, tmp_path / "start", dtype=torch.float64)
+    samples = hand_samples(12, vocab=96)
+    cfg = _config(tmp_path, "tune", init_head=str(tmp_path / "start"), feature_mode="online", max_steps=3)
+    tuner = Trainer(cfg, target=target, samples=samples)
+    start = head.state_dict()
+    assert all(torch.equal(v, start[k]) for k, v in tuner.model.state_dict().items())
+    assert tuner.model.config.draft_vocab_size == 40 != cfg.draft_vocab_size
+    tuner.train()
+    tuned = load_draft(tmp_path / "tune" / "head", target=target, dtype=torch.float64)
+    assert torch.equal(tuned.d2t, head.d2t) and torch.equal(tuned.t2d, head.t2d)
+    assert not torch.allclose(tuned.fc.weight, head.fc.weight)                # it did train
+
+    with pytest.raises(OptionsError, match="--init-head .* has flags"):
+        Trainer(_config(tmp_path, "wrong", init_head=str(tmp_path / "start"), preset="eagle3"), target=target,
+                samples=samples)
+    with pytest.raises(OptionsError, match="capture indices"):
+        Trainer(_config(tmp_path, "wrong2", init_head=str(tmp_path / "start"), capture_indices=(1, 2, 3)),
+                target=target, samples=samples)
+
+
+def build_vocab_mapping_for_test(vocab: int, draft_vocab: int):
+    """A draft vocabulary of the ``draft_vocab`` highest ids (one no frequency count of the test data picks)."""
+    from eagle_compile.draft import build_vocab_mapping
+
+    return build_vocab_mapping(torch.arange(vocab), draft_vocab)
+
+
 def test_eagle3_head_has_its_flags_off(target, tmp_path):
     d2t, t2d = torch.zeros(96, dtype=torch.int64), torch.ones(96, dtype=torch.bool)
     model = build_head(target, d2t=d2t, t2d=t2d, flags={"fc_norm": False, "norm_output": False},
