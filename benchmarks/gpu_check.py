@@ -775,6 +775,7 @@ def spec_step(run: Run, model, options: dict, batch: int, plan: dict):
     from eagle_compile.options import parse_options
     from eagle_compile.runtime.cuda_graphs import GraphedStep
     from eagle_compile.runtime.generate import _decoders
+    from eagle_compile.runtime.step import StepState
     from eagle_compile.runtime.verify import draw_uniforms
 
     wanted = parse_options(options)
@@ -790,12 +791,12 @@ def spec_step(run: Run, model, options: dict, batch: int, plan: dict):
     for t in [t for layer in buffers.cache.layers for t in (layer.keys, layer.values)] + [buffers.draft_kv.keys,
                                                                                          buffers.draft_kv.values]:
         t.normal_()
-    state = buffers.state
-    state.n.fill_(plan["context"] + 1)
-    state.root.random_(0, model.config.vocab_size)
-    state.seed_feedback.normal_()
-    state.seed_head.normal_()
-    state.active.fill_(True)
+    hidden = model.config.get_text_config().hidden_size
+    dtype, rows = next(model.parameters()).dtype, torch.ones(batch, dtype=torch.long, device=run.device)
+    state = buffers.hold(StepState(
+        n=rows * (plan["context"] + 1), root=torch.randint_like(rows, model.config.vocab_size),
+        seed_feedback=torch.randn(batch, hidden, dtype=dtype, device=run.device),
+        seed_head=torch.randn(batch, hidden, dtype=dtype, device=run.device), active=rows.bool()))
     (step,) = [s for k, s in decoder._steps.items() if not isinstance(k, tuple)]
     return (lambda: step(state, buffers.cache, buffers.draft_kv, uniforms, final)), state
 

@@ -11,6 +11,10 @@ captured once and replayed (COMPILE_FACTS.md §8):
 
 Padded rows of a bucket are frozen rows of their own (rows never share cache slots), so they cannot change
 real rows; their writes land in their own rows' slots or the sentinel.
+
+The CUDA calls sit in `CudaGraphRuntime`; `GraphedStep` only keeps the books (one capture per bucket, warm-up
+and capture leave the buffers as they were, a replay counter, outputs cloned before the next replay). Tests
+swap in a runtime that replays on the host, so the books and the decoder's static-buffer path run on CPU too.
 """
 
 from __future__ import annotations
@@ -24,23 +28,61 @@ from eagle_compile.runtime.step import StepOutput, StepState
 
 @dataclass
 class BucketBuffers:
-    """Static buffers of one (bucket, slots) shape."""
+    """Static buffers of one (bucket, slots) shape. The row state is laid out from the first prefill's state
+    (its seed widths are the drafter's), then rewritten in place by every later call."""
 
-    state: StepState
+    state: StepState | None
     cache: object
     draft_kv: object
     uniforms: torch.Tensor
     final_uniform: torch.Tensor
 
+    def hold(self, state: StepState) -> StepState:
+        """Copy ``state`` into the static row state (allocated on first use) and return the static one."""
+        if self.state is None:
+            self.state = StepState(*(t.clone() for t in _fields(state)))
+        else:
+            for dst, src in zip(_fields(self.state), _fields(state), strict=True):
+                dst.copy_(src)
+        return self.state
+
+
+class CudaGraphRuntime:
+    """torch.cuda's graph API as `GraphedStep` uses it: side-stream warm-up, capture into one shared pool."""
+
+    def __init__(self) -> None:
+        self.pool = None
+
+    @staticmethod
+    def supports(device: torch.device) -> bool:
+        return device.type == "cuda"
+
+    def warm_up(self, run, times: int) -> None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(times):
+                run()
+        torch.cuda.current_stream().wait_stream(stream)
+
+    def capture(self, run):
+        """``(graph, outputs)``: ``graph.replay()`` reruns ``run``'s kernels, rewriting ``outputs`` in place."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = run()
+        return graph, out
+
 
 class GraphedStep:
-    """Replays one CUDA graph per bucket around a step program (`StepProgram` or `SpeculativeStep`)."""
+    """Replays one graph per bucket around a step program (`StepProgram` or `SpeculativeStep`)."""
 
-    def __init__(self, step, *, warmup: int = 2) -> None:
+    def __init__(self, step, *, warmup: int = 2, runtime=None) -> None:
         self.step = step
         self.warmup = warmup
-        self.pool = None
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, StepOutput, BucketBuffers]] = {}
+        self.runtime = runtime if runtime is not None else CudaGraphRuntime()
+        self.graphs: dict[tuple[int, int], tuple[object, StepOutput, BucketBuffers]] = {}
         self.replays = 0
         self.captures = 0
 
@@ -57,27 +99,25 @@ class GraphedStep:
         return StepOutput(accept_len=out.accept_len.clone(), tokens=out.tokens.clone())
 
     def _capture(self, b: BucketBuffers, key: tuple[int, int]):
+        def run() -> StepOutput:
+            return self.step(b.state, b.cache, b.draft_kv, b.uniforms, b.final_uniform)
+
         snapshot = _snapshot(b)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(self.warmup):        # warm-up mutates the buffers: restored below
-                self.step(b.state, b.cache, b.draft_kv, b.uniforms, b.final_uniform)
-        torch.cuda.current_stream().wait_stream(stream)
+        self.runtime.warm_up(run, self.warmup)   # warm-up mutates the buffers: restored below
         _restore(b, snapshot)
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self.step(b.state, b.cache, b.draft_kv, b.uniforms, b.final_uniform)
-        _restore(b, snapshot)                     # capture does not run the kernels, but be exact anyway
+        graph, out = self.runtime.capture(run)
+        _restore(b, snapshot)                     # CUDA capture does not run the kernels; a host stand-in does
         self.captures += 1
         self.graphs[key] = (graph, out, b)
         return self.graphs[key]
 
 
+def _fields(state: StepState) -> tuple[torch.Tensor, ...]:
+    return state.n, state.root, state.seed_feedback, state.seed_head, state.active
+
+
 def _tensors(b: BucketBuffers) -> list[torch.Tensor]:
-    out = [b.state.n, b.state.root, b.state.seed_feedback, b.state.seed_head, b.state.active]
+    out = list(_fields(b.state))
     for layer in b.cache.layers:
         out += [layer.keys, layer.values]
     if b.draft_kv is not None:

@@ -26,7 +26,7 @@ from eagle_compile.capture_indices import default_capture_indices
 from eagle_compile.draft.drafter import Drafter
 from eagle_compile.draft.tree import TreeShape
 from eagle_compile.options import EagleOptions
-from eagle_compile.runtime.cuda_graphs import BucketBuffers, GraphedStep
+from eagle_compile.runtime.cuda_graphs import BucketBuffers, CudaGraphRuntime, GraphedStep
 from eagle_compile.runtime.kv_cache import SlotKVCache
 from eagle_compile.runtime.masks import causal_mask
 from eagle_compile.runtime.sampling import SamplingParams, target_probs
@@ -55,6 +55,7 @@ class SpeculativeDecoder:
         self.timings: dict[str, float] = {}      # draft / verify / accept seconds of the eager step, cumulative
         self._bucket_buffers: dict[tuple[int, int], BucketBuffers] = {}
         self._warned: set[str] = set()
+        self.graph_runtime = CudaGraphRuntime()   # the CUDA graph API; tests put a host stand-in here
 
     def _step(self, sampling: SamplingParams) -> SpeculativeStep | StepProgram:
         if sampling not in self._steps:
@@ -100,8 +101,7 @@ class SpeculativeDecoder:
         state = self._prefill(prompts, cache, draft_kv, sampling, generator, stopper, active)
         stats.prefill_time = time.perf_counter() - t0
         if graphed:
-            _copy_state(buffers.state, state)
-            state = buffers.state
+            state = buffers.hold(state)
         active &= torch.tensor([not f for f in stopper.finished] + [False] * (batch - real))
         while bool(active.any()):
             self._cycle(state, cache, draft_kv, sampling, generator, stopper, active, stats, buffers)
@@ -122,7 +122,7 @@ class SpeculativeDecoder:
     def _graphed(self, sampling: SamplingParams, device: torch.device, stats) -> GraphedStep | None:
         if not self.options.cudagraphs:
             return None
-        if device.type != "cuda":
+        if not self.graph_runtime.supports(device):
             note = f"cudagraphs=True ignored: CUDA graphs need a CUDA device, the target is on {device.type}"
             if note not in self._warned:
                 warnings.warn(note, stacklevel=3)
@@ -131,7 +131,7 @@ class SpeculativeDecoder:
             return None
         key = ("graphed", sampling)
         if key not in self._steps:
-            self._steps[key] = GraphedStep(self._step(sampling))
+            self._steps[key] = GraphedStep(self._step(sampling), runtime=self.graph_runtime)
         return self._steps[key]
 
     def _buffers(self, batch: int, slots: int, device) -> BucketBuffers:
@@ -139,15 +139,8 @@ class SpeculativeDecoder:
         key = (batch, slots)
         if key not in self._bucket_buffers:
             cache, draft_kv = self._caches(batch, slots, device)
-            hidden = self.model.config.get_text_config().hidden_size
-            dtype = next(self.model.parameters()).dtype
-            zeros = torch.zeros(batch, dtype=torch.long, device=device)
-            state = StepState(n=zeros.clone(), root=zeros.clone(),
-                              seed_feedback=torch.zeros(batch, hidden, dtype=dtype, device=device),
-                              seed_head=torch.zeros(batch, hidden, dtype=dtype, device=device),
-                              active=torch.zeros(batch, dtype=torch.bool, device=device))
             uniforms, final = draw_uniforms(batch, self.shape.depth, self.shape.top_k, device=device)
-            self._bucket_buffers[key] = BucketBuffers(state, cache, draft_kv, uniforms, final)
+            self._bucket_buffers[key] = BucketBuffers(None, cache, draft_kv, uniforms, final)
         return self._bucket_buffers[key]
 
     def _bucket(self, rows: int) -> int:
@@ -242,8 +235,3 @@ class SpeculativeDecoder:
             return logits.argmax(-1)
         probs = target_probs(logits, sampling)
         return torch.multinomial(probs, 1, generator=generator)[:, 0]
-
-
-def _copy_state(dst: StepState, src: StepState) -> None:
-    for name in ("n", "root", "seed_feedback", "seed_head", "active"):
-        getattr(dst, name).copy_(getattr(src, name))
