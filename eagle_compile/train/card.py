@@ -1,54 +1,103 @@
-"""The model card written beside a shipped head: every number in it is read from the training run's files."""
+"""The model card written beside a shipped head: every number in it is read from the training runs' files.
+
+A head may come from several runs (a base run, then fine-tuning with ``--init-head``); each is a `Stage`
+with its own table and exact command, in order. The head's own facts (flags, capture indices, vocabulary,
+final held-out accuracy) come from the last stage.
+"""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 
-def write_model_card(run_dir: str | Path, head_dir: str | Path, *, command: str, title: str) -> Path:
-    """Write `head_dir/MODEL_CARD.md` from `run_dir`'s train_config.json, summary.json and metrics.jsonl."""
-    run_dir, head_dir = Path(run_dir), Path(head_dir)
-    config = json.loads((run_dir / "train_config.json").read_text())
-    summary = json.loads((run_dir / "summary.json").read_text())
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    train = [m for m in metrics if m.get("split") == "train"]
-    seconds = sum(m.get("step_time_s", 0.0) for m in train)
-    tokens = sum(m.get("tokens", 0) for m in train)
-    ev = summary.get("eval") or {}
-    accuracies = ", ".join(f"{a:.3f}" for a in ev.get("accuracies", []))
+@dataclass(frozen=True)
+class Stage:
+    """One training run that produced (or fine-tuned) the head, and the commands that ran it."""
+
+    run_dir: Path
+    command: str
+    title: str
+
+
+def write_model_card(head_dir: str | Path, stages: list[Stage], *, title: str, limitations: str) -> Path:
+    """Write ``head_dir/MODEL_CARD.md`` from each stage's train_config.json, summary.json and metrics.jsonl."""
+    if not stages:
+        raise ValueError("write_model_card needs at least one training stage")
+    head_dir = Path(head_dir)
+    runs = [_read_run(Path(s.run_dir)) for s in stages]
+    last = runs[-1]["summary"]
+    ev = last.get("eval") or {}
     size = sum(f.stat().st_size for f in head_dir.iterdir() if f.is_file() and f.name != "MODEL_CARD.md")
+    flags = ", ".join(name for name, on in last["flags"].items() if on) or "none (EAGLE-3)"
     lines = [
         f"# {title}",
         "",
-        f"EAGLE 3.1 draft head (flags: {', '.join(summary['flags']) or 'none (EAGLE-3)'}) for "
-        "SmolLM2-135M-Instruct, in the official EAGLE-3 layout (`config.json` + `model.safetensors`).",
+        f"Draft head (flags: {flags}) for SmolLM2-135M-Instruct, in the official EAGLE-3 layout "
+        "(`config.json` + `model.safetensors`).",
         "",
         "| | |",
         "|---|---|",
-        f"| capture indices | {summary['capture_indices']} (residual stream entering those layers) |",
-        f"| draft vocabulary | {summary['draft_vocab_size']} tokens, covering {100 * summary['vocab_coverage']:.2f}% "
-        "of reply tokens in the training data |",
-        f"| training data | `{', '.join(config.get('data_files', []))}` from ../shared/data/train "
-        f"(MIT / Apache-2.0 sources; Spec-Bench and MT-bench never used); {summary['train_samples']} "
-        f"conversations available, {tokens} tokens seen in {summary['steps']} steps |",
-        f"| seed | {config.get('seed')} |",
-        f"| training wall time | {seconds / 60:.1f} min (sum of step times, 2-core CPU) |",
-        f"| TTT steps / decay | {config.get('ttt_steps')} / {config.get('step_decay')} |",
-        f"| held-out per-step accuracy (depth 1..) | {accuracies} |",
+        f"| capture indices | {last['capture_indices']} (residual stream entering those layers) |",
+        f"| draft vocabulary | {last['draft_vocab_size']} tokens, covering {100 * last['vocab_coverage']:.2f}% "
+        "of reply tokens in the last stage's training data |",
+        f"| held-out per-step accuracy (depth 1..) | {_accuracies(ev)} |",
         f"| held-out acceptance estimate (greedy chain, teacher forcing) | {ev.get('accept_estimate', 0.0):.2f} |",
+        f"| total training wall time | {sum(r['seconds'] for r in runs) / 60:.1f} min (sum of step times) |",
         f"| files | {size / 2**20:.1f} MiB |",
         "",
-        "Training command (resumable: run it again to continue):",
+    ]
+    for number, (stage, run) in enumerate(zip(stages, runs, strict=True), 1):
+        lines += _stage_lines(number, stage, run)
+    lines += ["## Limitations", "", limitations.strip(), ""]
+    card = head_dir / "MODEL_CARD.md"
+    card.write_text("\n".join(lines))
+    return card
+
+
+def _read_run(run_dir: Path) -> dict:
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train = [m for m in metrics if m.get("split") == "train"]
+    return {"config": json.loads((run_dir / "train_config.json").read_text()),
+            "summary": json.loads((run_dir / "summary.json").read_text()),
+            "seconds": sum(m.get("step_time_s", 0.0) for m in train),
+            "tokens": sum(m.get("tokens", 0) for m in train)}
+
+
+def _accuracies(ev: dict) -> str:
+    return ", ".join(f"{a:.3f}" for a in ev.get("accuracies", [])) or "not evaluated"
+
+
+def _stage_lines(number: int, stage: Stage, run: dict) -> list[str]:
+    config, summary = run["config"], run["summary"]
+    if config.get("responses"):
+        data = (f"replies regenerated by the target (`{Path(config['responses']).name}`) to the prompts of "
+                f"{_sources(config)} in ../shared/data/train")
+    else:
+        data = f"`{', '.join(config.get('data_files', []))}` ({_sources(config)}) from ../shared/data/train"
+    start = f"`{config['init_head']}`" if config.get("init_head") else f"random init, seed {config.get('seed')}"
+    return [
+        f"## Stage {number}: {stage.title}",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| starting point | {start} |",
+        f"| data | {data}; Spec-Bench and MT-bench never used |",
+        f"| conversations / tokens seen / steps | {summary['train_samples']} / {run['tokens']} / {summary['steps']} |",
+        f"| batch, max length, lr | {config.get('batch_size')} x {config.get('grad_accum')}, "
+        f"{config.get('max_len')}, {config.get('lr')} |",
+        f"| TTT steps / decay | {config.get('ttt_steps')} / {config.get('step_decay')} |",
+        f"| wall time | {run['seconds'] / 60:.1f} min (sum of step times) |",
+        f"| held-out per-step accuracy after this stage | {_accuracies(summary.get('eval') or {})} |",
         "",
         "```bash",
-        command,
+        stage.command.strip(),
         "```",
         "",
-        "Limitations: trained for minutes on a 2-core CPU on a small, math- and code-heavy instruction mix with the",
-        "dataset's own replies (no self-distillation), so acceptance is far below a GPU-trained head's. The output",
-        "of speculative decoding does not depend on the head: it is always exactly the target's.",
     ]
-    card = head_dir / "MODEL_CARD.md"
-    card.write_text("\n".join(lines) + "\n")
-    return card
+
+
+def _sources(config: dict) -> str:
+    sources = config.get("sources")
+    return "sources " + ", ".join(sources) if sources else "all sources"
