@@ -15,10 +15,12 @@ from eagle_compile.heads import shipped_head
 pytestmark = pytest.mark.slow
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 QUESTION_IDS = (81, 161, 321)          # MT-bench writing, translation, qa: first turns
-# Regression floor for the shipped head's mean acceptance length on these prompts. The head trained on this
-# 2-core CPU (see its MODEL_CARD.md) measured 1.34 here; an untrained head gets 1.00. The target of
-# 2.0 needs a better-trained head (more data, self-distillation, more steps): raise this floor with it.
-TAU_FLOOR = 1.2
+# Regression floors for the shipped head's mean acceptance length on these prompts, per tree: the tree chosen
+# for this CPU (tree.json, small because verifying costs c(N) here) and EAGLE's default tree (depth 7, top_k 10,
+# 60 tokens; the shape acceptance lengths are usually quoted with). The head (see its MODEL_CARD.md) measured 1.57
+# and 1.89 here; an untrained head gets 1.00. The target of 2.0 needs a better-trained head: raise these
+# floors with it.
+TAU_FLOORS = {"tree.json": 1.45, "default tree": 1.75}
 
 
 @pytest.fixture(scope="module")
@@ -42,17 +44,20 @@ def test_shipped_head_is_exact_and_accepted(target):
     head = shipped_head()
     assert head is not None, "no trained head ships in eagle_compile/heads/"
     draft = eagle_compile.load_draft(head, target=model, dtype=torch.float32)
-    options = json.loads((head / "tree.json").read_text()) if (head / "tree.json").is_file() else {"chain": 4}
-    lengths = []
+    trees = {"tree.json": json.loads((head / "tree.json").read_text()), "default tree": {}}
+    prompts = _prompts(tokenizer)
     with torch.no_grad():
-        for ids in _prompts(tokenizer):
-            ref = model.generate(ids, max_new_tokens=64, do_sample=False)
-            out = eagle_compile.generate(model, ids, draft=draft, options=options, max_new_tokens=64,
-                                         return_dict_in_generate=True)
-            assert torch.equal(out.sequences, ref)
-            lengths += out.stats.acceptance_lengths
-    tau = sum(lengths) / len(lengths)
-    assert tau >= TAU_FLOOR, f"mean acceptance length {tau:.2f} over 3 Spec-Bench prompts"
+        refs = [model.generate(ids, max_new_tokens=64, do_sample=False) for ids in prompts]
+    for name, options in trees.items():
+        lengths = []
+        with torch.no_grad():
+            for ids, ref in zip(prompts, refs, strict=True):
+                out = eagle_compile.generate(model, ids, draft=draft, options=options, max_new_tokens=64,
+                                             return_dict_in_generate=True)
+                assert torch.equal(out.sequences, ref), name
+                lengths += out.stats.acceptance_lengths
+        tau = sum(lengths) / len(lengths)
+        assert tau >= TAU_FLOORS[name], f"{name}: mean acceptance length {tau:.2f} over 3 Spec-Bench prompts"
 
 
 def test_stop_strings_end_the_output_like_hf(target):
