@@ -108,14 +108,18 @@ def random_head(target, *, flags: bool, seed: int, reduced: bool) -> EagleDraftM
     return head
 
 
-def ragged_batch(rows: int, seed: int):
-    """1 row of 7 tokens, or 3 left-padded rows of 3, 12 and 7 tokens."""
+def ragged(lengths: list[int], seed: int, vocab: int = 96):
+    """Left-padded rows of the given lengths (random ids >= 3) and their attention mask."""
     g = torch.Generator().manual_seed(seed)
-    lengths = [7] if rows == 1 else [3, 12, 7]
     width = max(lengths)
-    ids = torch.zeros(rows, width, dtype=torch.long)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, n in enumerate(lengths):
-        ids[i, width - n:] = torch.randint(3, 96, (n,), generator=g)
+        ids[i, width - n:] = torch.randint(3, vocab, (n,), generator=g)
         mask[i, width - n:] = 1
     return ids, mask
+
+
+def ragged_batch(rows: int, seed: int):
+    """1 row of 7 tokens, or 3 left-padded rows of 3, 12 and 7 tokens."""
+    return ragged([7] if rows == 1 else [3, 12, 7], seed)

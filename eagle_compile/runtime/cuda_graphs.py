@@ -116,7 +116,8 @@ def _fields(state: StepState) -> tuple[torch.Tensor, ...]:
     return state.n, state.root, state.seed_feedback, state.seed_head, state.active
 
 
-def _tensors(b: BucketBuffers) -> list[torch.Tensor]:
+def buffer_tensors(b: BucketBuffers) -> list[torch.Tensor]:
+    """Every tensor a step reads and rewrites in place: the row state, the target's and the draft's KV."""
     out = list(_fields(b.state))
     for layer in b.cache.layers:
         out += [layer.keys, layer.values]
@@ -126,9 +127,9 @@ def _tensors(b: BucketBuffers) -> list[torch.Tensor]:
 
 
 def _snapshot(b: BucketBuffers) -> list[torch.Tensor]:
-    return [t.clone() for t in _tensors(b)]
+    return [t.clone() for t in buffer_tensors(b)]
 
 
 def _restore(b: BucketBuffers, snapshot: list[torch.Tensor]) -> None:
-    for t, saved in zip(_tensors(b), snapshot, strict=True):
+    for t, saved in zip(buffer_tensors(b), snapshot, strict=True):
         t.copy_(saved)

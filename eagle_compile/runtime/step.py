@@ -82,9 +82,11 @@ class SpeculativeStep:
         self.timings = timings
 
     def _mark(self, phase: str, since: float) -> float:
+        """Add the time since ``since`` to ``phase``; no clock read at all without timings (traced steps)."""
+        if self.timings is None:
+            return since
         now = time.perf_counter()
-        if self.timings is not None:
-            self.timings[phase] = self.timings.get(phase, 0.0) + now - since
+        self.timings[phase] = self.timings.get(phase, 0.0) + now - since
         return now
 
     def __call__(self, state: StepState, cache, draft_kv, uniforms: torch.Tensor,
@@ -94,18 +96,18 @@ class SpeculativeStep:
         t = time.perf_counter() if self.timings is not None else 0.0
         tree = build_tree(self.drafter, draft_kv, state.seed_feedback, state.seed_head, state.root, state.n,
                           shape, d_slots, active)
-        t = self._mark("draft", t) if self.timings is not None else t
+        t = self._mark("draft", t)
         base = state.n - 1
         positions = base[:, None] + tree.depth
         nodes = torch.arange(shape.total_tokens, device=base.device)
         write = torch.where(active[:, None], base[:, None] + nodes, cache.slots - 1)   # inactive: sentinel only
         mask = tree_mask(tree.ancestors, base, cache.slots, cache.layers[0].keys.dtype)
         logits, feats = self.target_forward(tree.tokens, positions, mask, write, cache)
-        t = self._mark("verify", t) if self.timings is not None else t
+        t = self._mark("verify", t)
         acc = self._verify(tree, logits.float(), uniforms, final_uniform)
         identity = torch.arange(shape.depth + 1, device=base.device).expand_as(acc.path)
         cache.compact(base, torch.where(active[:, None], acc.path, identity))   # inactive rows: a no-op move
-        t = self._mark("accept", t) if self.timings is not None else t
+        t = self._mark("accept", t)
         a = acc.accept_len
         path_feats = feats.gather(1, acc.path[:, :, None].expand(-1, -1, feats.shape[-1]))
         feedback, head = catch_up(self.drafter, draft_kv, d_slots, path_feats, acc.tokens.clamp(min=0), base,
@@ -114,8 +116,7 @@ class SpeculativeStep:
         state.seed_head.copy_(head)
         state.root.copy_(acc.tokens.gather(1, a[:, None])[:, 0])
         state.n.copy_(torch.where(state.active, state.n + a + 1, state.n))
-        if self.timings is not None:
-            self._mark("draft", t)
+        self._mark("draft", t)
         return StepOutput(accept_len=a, tokens=acc.tokens)
 
     def _verify(self, tree, logits, uniforms, final_uniform):

@@ -9,6 +9,7 @@ live in one place. Stages: optional self-distillation (``--regenerate``), option
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import sys
@@ -156,8 +157,6 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def _regenerate(config: TrainConfig, args, load_target):
-    import copy
-
     import torch
 
     from eagle_compile.train.data import read_records
@@ -173,7 +172,6 @@ def _regenerate(config: TrainConfig, args, load_target):
     stats = regenerate_responses(writer, tokenizer, records, out, batch_size=args.regen_batch_size,
                                  max_new_tokens=args.regen_max_new_tokens, temperature=args.regen_temperature,
                                  seed=config.seed, progress=config.progress)
-    del writer
     print(f"regenerated {stats.written} replies ({stats.skipped} already done, {stats.unfinished} without EOS, "
           f"{stats.new_tokens} tokens in {stats.seconds:.0f} s) -> {out}")
     return dataclasses.replace(config, responses=str(out)), {"target": target, "tokenizer": tokenizer}

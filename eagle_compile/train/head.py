@@ -11,6 +11,7 @@ from torch import nn
 from eagle_compile.draft.checkpoint import load_draft, save_draft
 from eagle_compile.draft.config import DraftConfig
 from eagle_compile.draft.model import EagleDraftModel
+from eagle_compile.errors import OptionsError
 
 
 def build_head(target: nn.Module, *, d2t: torch.Tensor, t2d: torch.Tensor, flags: dict[str, bool],
@@ -48,8 +49,6 @@ def load_head_for_training(path: str | Path, target: nn.Module, *, flags: dict[s
     The head's flags must be the preset's and its capture indices the requested ones (when given): a
     fine-tuned head that silently changed architecture would not be the head the command asked for.
     """
-    from eagle_compile.errors import OptionsError
-
     model = load_draft(path, target=target, dtype=dtype, device=target.get_output_embeddings().weight.device)
     theirs = {name: getattr(model.config, name) for name in flags}
     if theirs != flags:

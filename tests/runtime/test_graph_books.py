@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import ScriptedDrafter, greedy_reference, random_head, tiny_target
+from tiny import ScriptedDrafter, greedy_reference, ragged, random_head, tiny_target
 
 import eagle_compile
 from eagle_compile.options import parse_options
-from eagle_compile.runtime.cuda_graphs import GraphedStep
+from eagle_compile.runtime.cuda_graphs import GraphedStep, buffer_tensors
 from eagle_compile.runtime.generate import _decoder
 from eagle_compile.runtime.step import StepOutput
 
@@ -54,17 +54,6 @@ class _Replay:
         self.out.tokens.copy_(new.tokens)
 
 
-def _ragged(lengths, seed):
-    g = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(lengths):
-        ids[i, width - n:] = torch.randint(3, 96, (n,), generator=g)
-        mask[i, width - n:] = 1
-    return ids, mask
-
-
 def _half_right(ids, mask, ref):
     """Each row's true continuation with every third token wrong: the oracle's acceptance varies 1..depth+1."""
     width = ids.shape[1]
@@ -93,7 +82,7 @@ def test_buckets_reused_across_calls_give_the_eager_tokens(step_program):
     decoder = _graphed_decoder(model, drafter, options)
     # bucket 4 (3 rows), bucket 1, bucket 4 again with other prompts (stale buffers), bucket 2
     for lengths, seed in (([4, 13, 9], 1), ([6], 2), ([11, 3, 7], 3), ([5, 9], 4)):
-        ids, mask = _ragged(lengths, seed)
+        ids, mask = ragged(lengths, seed)
         ref = greedy_reference(model, ids, attention_mask=mask, max_new_tokens=14)
         if not step_program:
             drafter.continuations = _half_right(ids, mask, ref)
@@ -113,32 +102,28 @@ def test_warm_up_and_capture_leave_the_buffers_and_outputs_are_not_overwritten()
     model = tiny_target("qwen2", seed=8)
     head = random_head(model, flags=True, seed=5, reduced=True)
     decoder = _graphed_decoder(model, head, OPTIONS)
-    ids, mask = _ragged([6, 10], 7)
+    ids, mask = ragged([6, 10], 7)
     eagle_compile.generate(model, ids, attention_mask=mask, draft=head, options=OPTIONS, max_new_tokens=4)
     (graphed,) = [s for s in decoder._steps.values() if isinstance(s, GraphedStep)]
     (buffers,) = decoder._bucket_buffers.values()
 
     # a fresh capture from these buffers must leave them exactly as they were before it
-    before = [t.clone() for t in _buffer_tensors(buffers)]
+    buffers.state.active.fill_(True)                  # every row steps, so a step does change the buffers
+    before = [t.clone() for t in buffer_tensors(buffers)]
     graphed.graphs.clear()
     u, fu = buffers.uniforms.clone(), buffers.final_uniform.clone()
     first = graphed(buffers, u, fu)
-    after_capture_and_one_replay = [t.clone() for t in _buffer_tensors(buffers)]
+    after_capture_and_one_replay = [t.clone() for t in buffer_tensors(buffers)]
     # what one plain step does to the same starting buffers
-    for t, saved in zip(_buffer_tensors(buffers), before, strict=True):
+    for t, saved in zip(buffer_tensors(buffers), before, strict=True):
         t.copy_(saved)
     plain = graphed.step(buffers.state, buffers.cache, buffers.draft_kv, u, fu)
-    for got, want in zip(after_capture_and_one_replay, _buffer_tensors(buffers), strict=True):
+    for got, want in zip(after_capture_and_one_replay, buffer_tensors(buffers), strict=True):
         assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    stepped = buffer_tensors(buffers)
+    assert not all(torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(before, stepped, strict=True))
     assert torch.equal(first.tokens, plain.tokens) and torch.equal(first.accept_len, plain.accept_len)
     # the returned output is a copy: the next replay rewrites the graph's outputs, not what the caller holds
     kept = first.tokens.clone()
     graphed(buffers, u, fu)
     assert torch.equal(first.tokens, kept)
-
-
-def _buffer_tensors(b):
-    out = [b.state.n, b.state.root, b.state.seed_feedback, b.state.seed_head, b.state.active]
-    for layer in b.cache.layers:
-        out += [layer.keys, layer.values]
-    return out + [b.draft_kv.keys, b.draft_kv.values]

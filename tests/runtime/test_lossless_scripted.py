@@ -9,23 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import ScriptedDrafter, greedy_reference, tiny_target
+from tiny import ScriptedDrafter, greedy_reference, ragged, tiny_target
 from transformers import StoppingCriteria
 
 import eagle_compile
 
 TREE = {"depth": 4, "top_k": 3, "total_tokens": 10, "prefill_chunk": 8}
-
-
-def _ragged(lengths, seed=0, vocab=96):
-    g = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(lengths):
-        ids[i, width - n:] = torch.randint(3, vocab, (n,), generator=g)
-        mask[i, width - n:] = 1
-    return ids, mask
 
 
 def _continuations(ids, mask, ref):
@@ -37,7 +26,7 @@ def _continuations(ids, mask, ref):
 @pytest.mark.parametrize("mode", ["oracle", "adversarial"])
 def test_scripted_drafters_ragged_batch(mode):
     model = tiny_target("llama", seed=3)
-    ids, mask = _ragged([4, 13, 9], seed=1)
+    ids, mask = ragged([4, 13, 9], seed=1)
     ref = greedy_reference(model, ids, attention_mask=mask, max_new_tokens=17)
     drafter = ScriptedDrafter(_continuations(ids, mask, ref), 96, mode)
     out = eagle_compile.generate(model, ids, attention_mask=mask, draft=drafter, options=TREE, max_new_tokens=17,
@@ -70,7 +59,7 @@ def test_eos_inside_an_accepted_block_ends_the_row_there():
 
 def test_eos_in_a_batch_pads_finished_rows_like_hf():
     model = tiny_target("mistral", seed=1)
-    ids, mask = _ragged([5, 8], seed=4)
+    ids, mask = ragged([5, 8], seed=4)
     free = greedy_reference(model, ids, attention_mask=mask, max_new_tokens=15)
     eos = int(free[0, 8 + 3])
     ref = greedy_reference(model, ids, attention_mask=mask, max_new_tokens=15, eos_token_id=eos)

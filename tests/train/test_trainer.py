@@ -13,7 +13,7 @@ import torch
 from tiny import tiny_target
 from train_helpers import hand_samples
 
-from eagle_compile.draft import load_draft
+from eagle_compile.draft import build_vocab_mapping, load_draft
 from eagle_compile.errors import OptionsError
 from eagle_compile.train import TrainConfig, Trainer
 from eagle_compile.train.features import FeatureBatch, TeacherHead
@@ -125,7 +125,7 @@ def test_resume_equals_uninterrupted_run_and_head_loads(target, tmp_path):
 def test_init_head_fine_tunes_a_trained_head_and_keeps_its_vocabulary(target, tmp_path):
     """--init-head: step 0 is the given head (weights, d2t/t2d; not the vocabulary this data would pick), the
     run trains it further, and a head whose flags or capture indices differ from the run's is refused."""
-    d2t, t2d = build_vocab_mapping_for_test(96, 40)
+    d2t, t2d = build_vocab_mapping(torch.arange(96), 40)      # the 40 highest ids, not what the data picks
     head = build_head(target, d2t=d2t, t2d=t2d, flags={"fc_norm": True, "norm_output": True},
                       capture_indices=None, lm_head_init="random", freeze_lm_head=False, dtype=torch.float64,
                       seed=3)
@@ -147,13 +147,6 @@ def test_init_head_fine_tunes_a_trained_head_and_keeps_its_vocabulary(target, tm
     with pytest.raises(OptionsError, match="capture indices"):
         Trainer(_config(tmp_path, "wrong2", init_head=str(tmp_path / "start"), capture_indices=(1, 2, 3)),
                 target=target, samples=samples)
-
-
-def build_vocab_mapping_for_test(vocab: int, draft_vocab: int):
-    """A draft vocabulary of the ``draft_vocab`` highest ids (one no frequency count of the test data picks)."""
-    from eagle_compile.draft import build_vocab_mapping
-
-    return build_vocab_mapping(torch.arange(vocab), draft_vocab)
 
 
 def test_eagle3_head_has_its_flags_off(target, tmp_path):
