@@ -15,6 +15,7 @@ import json
 import sys
 from pathlib import Path
 
+from eagle_compile.errors import OptionsError
 from eagle_compile.train.config import TrainConfig
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -43,7 +44,8 @@ _OPTIONS = [
     ("--data-dir", "data_dir", str, "folder of the training jsonl files"),
     ("--data-files", "data_files", _names, "comma-separated jsonl files in --data-dir"),
     ("--sources", "sources", _names, "keep only these comma-separated record sources"),
-    ("--responses", "responses", str, "jsonl of regenerated replies to train on (see --regenerate)"),
+    ("--responses", "responses", _names, "comma-separated jsonl files of regenerated replies to train on "
+     "(see --regenerate)"),
     ("--max-len", "max_len", int, "longest conversation in tokens; longer ones are dropped (see --truncate)"),
     ("--eval-samples", "eval_samples", int, "held-out conversations for evaluation"),
     ("--max-samples", "max_samples", int, "use only the first N conversations"),
@@ -64,7 +66,8 @@ _OPTIONS = [
     ("--warmup-steps", "warmup_steps", int, "linear warmup steps (overrides --warmup-ratio)"),
     ("--grad-clip", "grad_clip", float, "gradient-norm clipping"),
     ("--seed", "seed", int, "seed of the data order and the head's init"),
-    ("--amp", "amp", str, "'none' or 'bf16' (autocast of the head's forward; for GPUs)"),
+    ("--amp", "amp", str, "'none' or 'bf16' (autocast of the head's forward; GPUs, CPUs with avx512_bf16)"),
+    ("--target-dtype", "target_dtype", str, "dtype the target makes features in: float32, bfloat16 or float16"),
     ("--features", "feature_mode", str, "'online' (run the target every batch) or 'offline' (cache first)"),
     ("--feature-cache", "feature_cache", str, "offline feature cache folder (default <output-dir>/features)"),
     ("--cache-dtype", "cache_dtype", str, "dtype of cached features: float16, bfloat16 or float32"),
@@ -163,7 +166,10 @@ def _regenerate(config: TrainConfig, args, load_target):
     from eagle_compile.train.regenerate import regenerate_responses
     from eagle_compile.train.trainer import _device
 
-    out = Path(config.responses or Path(config.output_dir) / "responses.jsonl")
+    if config.responses is not None and len(config.responses) > 1:
+        raise OptionsError(f"--regenerate writes one file, but --responses names {len(config.responses)}: "
+                           "regenerate into one file per run, then train on them with --responses a,b")
+    out = Path(config.responses[0]) if config.responses else Path(config.output_dir) / "responses.jsonl"
     target, tokenizer = load_target(config, _device(config.device))
     records = read_records(config.data_paths(), config.sources)[: config.max_samples]
     writer = target
@@ -174,7 +180,7 @@ def _regenerate(config: TrainConfig, args, load_target):
                                  seed=config.seed, progress=config.progress)
     print(f"regenerated {stats.written} replies ({stats.skipped} already done, {stats.unfinished} without EOS, "
           f"{stats.new_tokens} tokens in {stats.seconds:.0f} s) -> {out}")
-    return dataclasses.replace(config, responses=str(out)), {"target": target, "tokenizer": tokenizer}
+    return dataclasses.replace(config, responses=(str(out),)), {"target": target, "tokenizer": tokenizer}
 
 
 def build_parser() -> argparse.ArgumentParser:

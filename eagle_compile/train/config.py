@@ -35,6 +35,7 @@ _CHOICES = {
     "cache_dtype": ("float16", "bfloat16", "float32"),
     "lm_head_init": ("target", "random"),
     "amp": ("none", "bf16"),
+    "target_dtype": ("float32", "bfloat16", "float16"),
     "save_dtype": ("float32", "bfloat16", "float16"),
 }
 #: Fields that do not change what is computed: they may differ between a run and its resumption.
@@ -57,9 +58,10 @@ class TrainConfig:
     """What to train, on what, and how (see the module docstring for the defaults' origin).
 
     Data: ``data_files`` inside ``data_dir`` (jsonl with instruction/input/output/source), ``sources`` keeps
-    only those sources, ``responses`` replaces the replies by regenerated ones (self-distillation, a jsonl
-    written by `regenerate_responses`). Conversations longer than ``max_len`` tokens are dropped (as the
-    official trainer does) unless ``truncate``. ``eval_samples`` conversations are held out for evaluation.
+    only those sources, ``responses`` replaces the replies by regenerated ones (self-distillation: one or
+    more jsonl files written by `regenerate_responses`, read in order). Conversations longer than ``max_len``
+    tokens are dropped (as the official trainer does) unless ``truncate``. ``eval_samples`` conversations are
+    held out for evaluation.
 
     Head: ``preset`` picks the EAGLE 3.1 or EAGLE-3 flags; ``draft_vocab_size`` most frequent assistant tokens
     form the draft vocabulary (``None``: the whole target vocabulary). ``lm_head_init="random"`` (official
@@ -74,6 +76,10 @@ class TrainConfig:
     batches of ``batch_size`` conversations. Warmup is ``warmup_steps`` if given, else ``warmup_ratio`` of
     the steps; the learning rate then decays along a cosine to ``min_lr_ratio * lr``.
 
+    Target: ``target_dtype`` is the dtype the target runs in to make features and soft targets. On a CPU with
+    avx512_bf16, ``"bfloat16"`` with ``amp="bf16"`` made a SmolLM2-135M step (batch 8, 512 tokens, 4 TTT
+    steps) 1.6x faster than float32 (6.3 vs 10.1 s); the teacher's lm_head rows stay float32 either way.
+
     Features: ``online`` runs the target every batch; ``offline`` first writes them to ``feature_cache``
     (default ``<output_dir>/features``) in ``cache_dtype``, resumable, then trains from disk.
 
@@ -85,13 +91,14 @@ class TrainConfig:
     data_dir: str = dataclasses.field(default_factory=lambda: str(default_train_dir()))
     data_files: tuple[str, ...] = DEFAULT_DATA_FILES
     sources: tuple[str, ...] | None = None
-    responses: str | None = None
+    responses: tuple[str, ...] | None = None
     max_len: int = 512
     truncate: bool = False
     eval_samples: int = 128
     max_samples: int | None = None
     # target and head
     target: str | None = None
+    target_dtype: str = "float32"
     preset: str = "eagle31"
     draft_vocab_size: int | None = 32000
     capture_indices: tuple[int, ...] | None = None
@@ -165,9 +172,14 @@ class TrainConfig:
             raise OptionsError("data_files is empty; name at least one jsonl file in data_dir")
         if self.sources is not None:
             put("sources", tuple(self.sources))
+        if self.responses is not None:
+            put("responses", (self.responses,) if isinstance(self.responses, (str, Path)) else
+                tuple(str(r) for r in self.responses))
+            if not self.responses:
+                raise OptionsError("responses is empty; name at least one jsonl of regenerated replies, or none")
         if self.capture_indices is not None:
             put("capture_indices", tuple(int(i) for i in self.capture_indices))
-        for path in self.data_paths() + ([Path(self.responses)] if self.responses else []):
+        for path in self.data_paths() + self.response_paths():
             refuse_eval_data(path)
 
     def _put(self, name: str, value: Any) -> None:
@@ -176,6 +188,9 @@ class TrainConfig:
     # -- derived ---------------------------------------------------------------------------------------
     def data_paths(self) -> list[Path]:
         return [Path(self.data_dir) / name for name in self.data_files]
+
+    def response_paths(self) -> list[Path]:
+        return [Path(r) for r in self.responses or ()]
 
     @property
     def flags(self) -> dict[str, bool]:

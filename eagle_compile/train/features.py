@@ -60,7 +60,8 @@ class TeacherHead(nn.Module):
     """The target's logits over the draft vocabulary from its last layer's pre-norm output h_N.
 
     ``lm_head(norm(h_N))`` restricted to the rows of ``t2d`` (all rows when ``t2d`` is None). The norm is the
-    target's own module (shared, frozen); the selected rows are a frozen copy.
+    target's own module (shared, frozen); the selected rows are a frozen copy, in float32 at least (a bfloat16
+    target's soft targets are computed from float32 rows).
     """
 
     def __init__(self, target: nn.Module, t2d: torch.Tensor | None) -> None:
@@ -68,9 +69,11 @@ class TeacherHead(nn.Module):
         self.norm = final_norm(target)
         head = target.get_output_embeddings()
         rows = t2d.to(head.weight.device) if t2d is not None else slice(None)
-        self.register_buffer("weight", head.weight.detach()[rows].clone(), persistent=False)
+        dtype = torch.promote_types(head.weight.dtype, torch.float32)
+        self.register_buffer("weight", head.weight.detach()[rows].to(dtype, copy=True), persistent=False)
         bias = getattr(head, "bias", None)
-        self.register_buffer("bias", bias.detach()[rows].clone() if bias is not None else None, persistent=False)
+        self.register_buffer("bias", bias.detach()[rows].to(dtype, copy=True) if bias is not None else None,
+                             persistent=False)
 
     @torch.no_grad()
     def forward(self, last_hidden: torch.Tensor) -> torch.Tensor:  # [..., Ht] -> [..., Vd]

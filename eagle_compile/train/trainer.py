@@ -69,15 +69,17 @@ class StepStats:
 
 
 def load_target(config: TrainConfig, device: torch.device):
-    """The target (frozen, eval mode, float32) and its tokenizer: the embedded default or an HF folder."""
+    """The target (frozen, eval mode, in ``config.target_dtype``) and its tokenizer: the embedded default or
+    an HF folder."""
+    dtype = getattr(torch, config.target_dtype)
     if config.target is None:
         from eagle_compile.targets import load_default_target
 
-        model, tokenizer = load_default_target(torch.float32)
+        model, tokenizer = load_default_target(dtype)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(config.target, dtype=torch.float32,
+        model = AutoModelForCausalLM.from_pretrained(config.target, dtype=dtype,
                                                      attn_implementation="sdpa").eval()
         tokenizer = AutoTokenizer.from_pretrained(config.target)
     return model.to(device).requires_grad_(False), tokenizer
@@ -85,7 +87,7 @@ def load_target(config: TrainConfig, device: torch.device):
 
 def load_samples(config: TrainConfig, tokenizer) -> tuple[list[Sample], DataStats]:
     """Tokenized training conversations of ``config`` (regenerated replies when ``config.responses``)."""
-    paths = [Path(config.responses)] if config.responses else config.data_paths()
+    paths = config.response_paths() or config.data_paths()
     records = read_records(paths, config.sources)
     if config.max_samples is not None:
         records = records[: config.max_samples]

@@ -80,4 +80,28 @@ def test_regen_dtype_generates_with_a_copy_and_trains_the_original(tmp_path, mon
     config, kwargs = _regenerate(config_from_args(args), args, lambda config, device: (target, tok))
     assert seen == [torch.bfloat16]
     assert kwargs["target"] is target and next(target.parameters()).dtype == torch.float32
-    assert config.responses == str(tmp_path / "run" / "responses.jsonl")
+    assert config.responses == (str(tmp_path / "run" / "responses.jsonl"),)
+
+
+def test_responses_from_several_files_in_order_and_regenerate_writes_one(tmp_path):
+    """--responses a,b trains on both files' replies (a's first); --regenerate refuses two files; a config saved
+    with one path as a string (older runs) reads back as the same one-file tuple."""
+    from eagle_compile.errors import OptionsError
+    from eagle_compile.train.cli import _regenerate
+    from eagle_compile.train.trainer import load_samples
+
+    tok = tiny_tokenizer()
+    files = []
+    for name, ids in (("a", (0, 1)), ("b", (2,))):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"id": f"r{i}", "source": "s", "instruction": f"q{i}", "input": "",
+                                            "output": f"reply {i}"}) + "\n" for i in ids))
+        files.append(str(path))
+    args = build_parser().parse_args(["--responses", ",".join(files)])
+    config = config_from_args(args)
+    assert config.responses == tuple(files)
+    samples, _ = load_samples(config, tok)
+    assert [s.id for s in samples] == ["r0", "r1", "r2"]
+    with pytest.raises(OptionsError, match="writes one file"):
+        _regenerate(config, build_parser().parse_args(["--regenerate"]), lambda config, device: None)
+    assert TrainConfig.from_dict({**TrainConfig().to_dict(), "responses": files[0]}).responses == (files[0],)

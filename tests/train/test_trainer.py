@@ -169,3 +169,19 @@ def test_bf16_autocast_stays_out_of_the_target_program(tmp_path):
     result = trainer.train()
     assert trainer.extractor.graphs_captured == 1
     assert result is not None and all(0.0 <= a <= 1.0 for a in result.accuracies) and result.loss > 0
+
+
+def test_bfloat16_target_makes_features_and_the_teacher_keeps_float32_rows(tmp_path):
+    """target_dtype="bfloat16": the target runs in bfloat16 (features, argmax), the head trains in float32 and
+    the teacher's soft targets come from float32 copies of the lm_head rows."""
+    target = tiny_target("llama").to(torch.bfloat16)
+    cfg = _config(tmp_path, "bf16", feature_mode="online", target_dtype="bfloat16", amp="bf16", max_steps=2,
+                  grad_accum=1)
+    trainer = Trainer(cfg, target=target, samples=hand_samples(8, vocab=96))
+    assert trainer.teacher.weight.dtype == torch.float32 and trainer.model.lm_head.weight.dtype == torch.float32
+    fb = trainer.features(trainer._step_batches(0)[0])
+    assert fb.features.dtype == torch.bfloat16
+    result = trainer.train()
+    assert result is not None and result.loss > 0 and all(0.0 <= a <= 1.0 for a in result.accuracies)
+    with pytest.raises(OptionsError, match="target_dtype"):
+        TrainConfig(target_dtype="int8")
