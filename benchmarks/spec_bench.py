@@ -13,12 +13,13 @@ Other options: `--categories qa,rag`, `--draft HEAD_FOLDER` (default: the shippe
 which every output says), `--options '{"chain": 4}'` or `--options tree.json` (default: `tree.json` beside the
 head, written by benchmarks/verify_cost.py, else chain 4), `--data DIR` (default ../shared/data from the repo
 root), `--out DIR` (default bench_out/), `--fresh` (discard the records of an earlier run in --out), `--threads N`
-(torch threads; on a machine shared with other jobs use 1, see benchmarks/common.py `set_threads`).
+(torch threads; on a machine shared with other jobs use 1, see benchmarks/common.py `set_threads`), `--dtype
+bfloat16` (all three methods on a bfloat16 target and head; see below).
 
 Protocol. Prompts are Spec-Bench's `question.jsonl`: the first turn of each record, with the target's chat
 template and the assistant prefix. Records 81-160 are the MT-bench questions (8 sub-categories) and are reported
 as one category `mt_bench`; the others are translation, summarization, qa, math_reasoning and rag. The target is
-the embedded SmolLM2-135M-Instruct in float32 (exactness checks belong in float32). For every prompt, in one
+the embedded SmolLM2-135M-Instruct in float32 unless --dtype says otherwise. For every prompt, in one
 process, the three methods run back to back with the same `max_new_tokens`, greedy:
 
 * `plain`: `model.generate(do_sample=False)`;
@@ -29,9 +30,13 @@ The order of the three rotates from prompt to prompt so that a drift of the mach
 the same method. Untimed warm-ups come first: one short generate per HF method, and one short eagle31 generate
 for every new pair (static cache size, number of prefill chunks), the shapes its captured graphs specialise on
 (the cache size is fixed per prompt with `max_cache_len`, rounded up to a multiple of 256 slots like the
-default). A graph captured inside a timed eagle31 call anyway is counted, printed and flagged in the table. eagle31 must
-produce exactly the plain greedy tokens for every prompt: a mismatch is printed loudly and the exit status is 1.
-Whether prompt lookup matched plain greedy is recorded as well (HF's assisted decoding need not be exact).
+default). A graph captured inside a timed eagle31 call anyway is counted, printed and flagged in the table. In
+float32 eagle31 must produce exactly the plain greedy tokens for every prompt: a mismatch is printed loudly and the
+exit status is 1. In bfloat16 a forward over N tokens and N forwards over one token round differently, so a near-tie
+between the two best tokens can flip and the texts part from there (plain bfloat16 greedy itself parts from float32
+greedy after 16-48 tokens): exactness is proven in float32 (and float64 in the tests); in bfloat16 the tables say how
+many outputs equal plain greedy and, for the others, how many leading tokens agree. Whether prompt lookup matched
+plain greedy is recorded as well (HF's assisted decoding need not be exact).
 
 Outputs in --out: `spec_bench.records.jsonl` (one record per prompt, appended as it finishes: the resume log),
 `spec_bench.json` (records, per-category summary, machine and load, versions, git commit, command line),
@@ -73,6 +78,7 @@ METHODS = ("plain", "prompt_lookup", "eagle31")
 MT_BENCH_IDS = range(81, 161)
 DEFAULT_TREE = {"chain": 4}
 PROMPT_LOOKUP_TOKENS = 10
+DTYPES = ("float32", "bfloat16")
 WARMUP_TOKENS = 4
 
 
@@ -87,6 +93,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT_DIR)
     p.add_argument("--fresh", action="store_true", help="discard the records of an earlier run in --out")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's; 1 on a busy machine)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="dtype of the target and head for all three methods (exactness is required in float32)")
     args = p.parse_args(argv)
     args.categories = [c.strip() for c in args.categories.split(",") if c.strip()]
     unknown = sorted(set(args.categories) - set(CATEGORIES))
@@ -113,7 +121,7 @@ def load_questions(data: Path, categories: list[str], per_category: int) -> list
 # -- resume log --------------------------------------------------------------------------------------------------
 def run_key(args, options: dict, head_info: dict) -> dict[str, Any]:
     """What a record depends on: records are reused on resume only when this matches exactly."""
-    return {"max_new_tokens": args.max_new_tokens, "options": options, "dtype": "float32",
+    return {"max_new_tokens": args.max_new_tokens, "options": options, "dtype": args.dtype,
             "torch_threads": torch.get_num_threads(),
             "head": head_info["folder"] or "untrained (seed 0)",
             "data": str((args.data / "spec_bench" / "question.jsonl").resolve()),
@@ -218,10 +226,19 @@ def run_prompt(methods: Methods, tokenizer, question: dict, index: int, key: dic
         "eagle31": {"time": times["eagle31"], "new_tokens": eagle.sequences.shape[1] - ids.shape[1],
                     "graphs_captured_while_timed": methods.last_new_graphs,
                     "lossless": torch.equal(eagle.sequences, plain),
+                    "agreeing_tokens": agreeing_tokens(eagle.sequences, plain, ids.shape[1]),
                     "histogram": {int(k): v for k, v in stats["histogram"].items()},
                     "cycles": stats["cycles"], "tree": stats["tree"],
                     "times": _time_split(stats)},
     }
+
+
+def agreeing_tokens(out: torch.Tensor, ref: torch.Tensor, prompt_len: int) -> int:
+    """How many leading new tokens of ``out`` equal ``ref``'s (batch 1)."""
+    a, b = out[0, prompt_len:], ref[0, prompt_len:]
+    n = min(len(a), len(b))
+    differ = (a[:n] != b[:n]).nonzero()
+    return int(differ[0, 0]) if len(differ) else n
 
 
 def _load_now() -> list[float]:
@@ -232,7 +249,7 @@ def report_prompt(rec: dict, done: int, total: int) -> None:
     e = rec["eagle31"]
     tau = _tau(Counter({int(k): v for k, v in e["histogram"].items()}))
     rates = ", ".join(f"{m} {rec[m]['new_tokens'] / rec[m]['time']:.1f} tok/s" for m in METHODS)
-    flag = "exact" if e["lossless"] else "MISMATCH WITH PLAIN GREEDY"
+    flag = "exact" if e["lossless"] else f"MISMATCH WITH PLAIN GREEDY after {e['agreeing_tokens']} tokens"
     if e.get("graphs_captured_while_timed"):
         flag += f" (WARNING: {e['graphs_captured_while_timed']} graph capture(s) inside the timed call)"
     print(f"[{done}/{total}] {rec['category']} q{rec['question_id']} ({rec['prompt_tokens']} prompt tokens): "
@@ -272,6 +289,8 @@ def summarize_group(records: list[dict]) -> dict[str, Any]:
         "prompt_lookup_vs_plain": total["plain"] / total["prompt_lookup"],
         "eagle31_time_split": {k: v / total["eagle31"] for k, v in sorted(split.items())},
         "eagle31_mismatches": [r["question_id"] for r in records if not r["eagle31"]["lossless"]],
+        "eagle31_agreeing_tokens": {r["question_id"]: r["eagle31"]["agreeing_tokens"] for r in records
+                                    if not r["eagle31"]["lossless"]},
         "eagle31_captures_while_timed": [r["question_id"] for r in records
                                          if r["eagle31"].get("graphs_captured_while_timed")],
         "prompt_lookup_mismatches": [r["question_id"] for r in records if not r["prompt_lookup"]["matches_plain"]],
@@ -292,22 +311,27 @@ def markdown(summary: dict, meta: dict) -> str:
     intro = f"**{head['note']}.**" if not head["trained"] else f"Draft head: {head['note']}."
     return "\n".join([
         f"# Spec-Bench: eagle31 vs HF generate vs HF prompt lookup ({meta['target']})", "", intro, "",
-        *_setup_lines(meta), *_warning_lines(summary), "", _main_table(summary), "",
+        *_setup_lines(meta), *_warning_lines(summary, meta["dtype"]), "", _main_table(summary), "",
         "Acceptance-length histogram per category (tokens emitted per cycle: count of cycles):", "",
         _hist_table(summary), "",
         "eagle31 wall time split (fraction of its total time, from its statistics):", "", _split_table(summary), "",
     ])
 
 
-def _warning_lines(summary: dict) -> list[str]:
+def _warning_lines(summary: dict, dtype: str) -> list[str]:
     lines = []
     captured = sorted({q for s in summary.values() for q in s["eagle31_captures_while_timed"]})
     if captured:
         lines.append(f"- **WARNING: eagle31 captured graphs inside the timed call for questions {captured}; their "
                      "eagle31 times include compilation**")
     mismatched = sorted({q for s in summary.values() for q in s["eagle31_mismatches"]})
-    if mismatched:
+    if mismatched and dtype == "float32":
         lines.append(f"- **ERROR: eagle31 output differs from plain greedy decoding for questions {mismatched}**")
+    elif mismatched:
+        agree = {q: n for s in summary.values() for q, n in s["eagle31_agreeing_tokens"].items()}
+        lines.append(f"- {dtype}: eagle31 output parts from plain greedy for questions {mismatched} after "
+                     f"{[agree[q] for q in mismatched]} new tokens (rounding near-ties, see the script's docstring; "
+                     "exactness is checked in float32)")
     return lines
 
 
@@ -316,7 +340,7 @@ def _setup_lines(meta: dict) -> list[str]:
     loads = [r[0] for r in meta["record_loads"]]
     return [
         f"- eagle31 tree: `{json.dumps(meta['options'])}` (from {meta['options_source']})",
-        f"- greedy, float32, max_new_tokens {meta['max_new_tokens']}, first turn with the chat template; "
+        f"- greedy, {meta['dtype']}, max_new_tokens {meta['max_new_tokens']}, first turn with the chat template; "
         f"prompt lookup with prompt_lookup_num_tokens={PROMPT_LOOKUP_TOKENS}; methods interleaved per prompt",
         f"- machine: {before['nproc']} cores, torch threads {before['torch_threads']}; load average (1 min) "
         f"{before['loadavg_1m']} before, {after['loadavg_1m']} after this invocation; over the prompts "
@@ -379,7 +403,7 @@ def plot(summary: dict, meta: dict, path: Path) -> None:
     ax2.set_xticks(range(len(cats)), cats, rotation=25, ha="right")
     ax2.set_ylabel("tau (tokens per cycle)")
     untrained = "" if meta["head"]["trained"] else "  [UNTRAINED draft head: no speedup expected]"
-    fig.suptitle(f"Spec-Bench, {meta['target']} float32, {meta['max_new_tokens']} new tokens, tree "
+    fig.suptitle(f"Spec-Bench, {meta['target']} {meta['dtype']}, {meta['max_new_tokens']} new tokens, tree "
                  f"{json.dumps(meta['options'])}{untrained}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -404,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = print_load("before")
     from eagle_compile.targets import load_default_target
 
-    model, tokenizer = load_default_target(torch.float32)
+    model, tokenizer = load_default_target(getattr(torch, args.dtype))
     head, head_info = load_head(model, args.draft)
     options, options_source = read_options(args.options, head_info, DEFAULT_TREE)
     print(f"draft: {head_info['note']}\neagle31 tree: {json.dumps(options)} (from {options_source})", flush=True)
@@ -418,14 +442,14 @@ def main(argv: list[str] | None = None) -> int:
     methods = Methods(model, head, options, args.max_new_tokens)
     interrupted = _run_all(methods, tokenizer, todo, done, key, log, len(questions))
     records = [done[q["question_id"]] for q in questions if q["question_id"] in done]
-    meta = {"target": "SmolLM2-135M-Instruct", "head": head_info, "options": options,
+    meta = {"target": "SmolLM2-135M-Instruct", "dtype": args.dtype, "head": head_info, "options": options,
             "options_source": options_source, "max_new_tokens": args.max_new_tokens,
             "categories": args.categories, "per_category": args.per_category, "environment": environment(),
             "load_before": load_before, "load_after": print_load("after"),
             "record_loads": [r["load"] for r in records]}
     summary = summarize(records, args.categories)
     write_outputs(args.out, records, summary, meta)
-    return _exit_status(summary, interrupted)
+    return _exit_status(summary, interrupted, args.dtype)
 
 
 def _run_all(methods: Methods, tokenizer, todo: list[dict], done: dict, key: dict, log: Path, total: int) -> bool:
@@ -445,9 +469,9 @@ def _run_all(methods: Methods, tokenizer, todo: list[dict], done: dict, key: dic
     return False
 
 
-def _exit_status(summary: dict, interrupted: bool) -> int:
+def _exit_status(summary: dict, interrupted: bool, dtype: str) -> int:
     bad = sorted({q for s in summary.values() for q in s["eagle31_mismatches"]})
-    if bad:
+    if bad and dtype == "float32":
         print(f"\n!!! eagle31 output DIFFERS from plain greedy decoding for questions {bad}: speculative decoding "
               "must be lossless; this is a bug !!!", file=sys.stderr, flush=True)
         return 1

@@ -19,10 +19,11 @@ What it measures, in order:
    generate call of 256 new tokens would use (prefix + 256 + 64, rounded up to 256). Printed and saved as
    c(N)/c(1). For reference, c(1) of HF's own forward on a DynamicCache of the same
    prefix is timed too (what plain `model.generate` pays per token).
-2. The draft head's cost, relative to c(1) (float32, the first prefix): the catch-up forward (target features
-   fused, 4 tokens), one draft forward over w frontier nodes, and the draft top-k (lm head, log-softmax, top-k)
-   of w nodes, w in 1..4. A draft step = forward + top-k; a chain of D costs catch-up + top-k(1) + (D-1) steps
-   of width 1, a tree of depth D and top_k K costs catch-up + top-k(1) + (D-1) steps of width K.
+2. The draft head's cost, relative to c(1) (in --choose-dtype, default float32, the first prefix): the catch-up
+   forward (target features fused, 4 tokens), one draft forward over w frontier nodes, and the draft top-k (lm
+   head, log-softmax, top-k) of w nodes, w in 1..4. A draft step = forward + top-k; a chain of D costs
+   catch-up + top-k(1) + (D-1) steps of width 1, a tree of depth D and top_k K costs catch-up + top-k(1) +
+   (D-1) steps of width K.
 3. Per-depth acceptance: eagle31 with a chain of 8 on --calib-prompts prompts from the training data
    (train/instruct_mix.jsonl, round-robin over its sources; none is an eval prompt). From the acceptance-length
    histogram, alpha_i = P(depth i accepted | depths < i accepted) = #(tau >= i+1) / #(tau >= i). A recording
@@ -38,7 +39,9 @@ What it measures, in order:
    budget on the accepted path's siblings first (optimistic when the draft is confident on wrong tokens) and
    that coverage below a non-top-1 child equals coverage below the top-1 child. When no recorded coverage is
    available, q_i(k) = 1 - (1 - alpha_i) * decay^(k-1) (--miss-decay). Per-cycle costs outside target and
-   draft forwards (tree building, verification, KV compaction, host reads) are left out.
+   draft forwards (tree building, verification, KV compaction, host reads) are left out. The cost curve is
+   --choose-dtype's (`--dtypes float32,bfloat16 --choose-dtype bfloat16` chooses for a bfloat16 target, where
+   verifying many tokens is relatively cheaper); acceptance is always calibrated in float32.
 
 Outputs in --out (default bench_out/): verify_cost.json (everything, with machine load before/after, versions,
 commit, command), verify_cost.md (tables, paste verbatim), verify_cost.png (c(N)/c(1) curves; predicted speedup
@@ -85,6 +88,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prefixes", default="512", help="comma list of prefix lengths (e.g. 512,2048)")
     p.add_argument("--dtypes", default="float32", help="comma list out of float32,bfloat16")
+    p.add_argument("--choose-dtype", default="float32",
+                   help="dtype whose cost curve and draft cost choose the shape (one of --dtypes)")
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma list of N (new tokens verified)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
@@ -102,7 +107,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.tokens = sorted({int(x) for x in args.tokens.split(",")} | {1})
     bad = sorted(set(args.dtypes) - {"float32", "bfloat16"})
     if bad or "float32" not in args.dtypes:
-        p.error(f"--dtypes {args.dtypes}: give float32 (the shape choice uses it), optionally with bfloat16")
+        p.error(f"--dtypes {args.dtypes}: give float32 (acceptance is calibrated in it), optionally with bfloat16")
+    if args.choose_dtype not in args.dtypes:
+        p.error(f"--choose-dtype {args.choose_dtype} is not measured: add it to --dtypes ({args.dtypes})")
     return args
 
 
@@ -399,6 +406,7 @@ def choose_tree_shape(cost_curve: dict[int, float], draft_cost: dict[str, Any], 
 # -- outputs -----------------------------------------------------------------------------------------------------
 def markdown(result: dict) -> str:
     meta, head = result["meta"], result["meta"]["head"]
+    ref_dtype = meta["reference_curve"][0]
     lines = ["# Verify cost and tree shape (SmolLM2-135M-Instruct target)", ""]
     lines += [f"**{head['note']}.**" if not head["trained"] else f"Draft head: {head['note']}.", ""]
     lines += [f"- machine: {meta['load_before']['nproc']} cores, torch threads {meta['load_before']['torch_threads']}; "
@@ -407,9 +415,10 @@ def markdown(result: dict) -> str:
               f"commit {meta['environment']['git']['commit']}", f"- command: `{meta['environment']['command']}`", "",
               "c(N)/c(1): one call of the captured verify program over N tokens after the prefix (median of "
               f"{meta['repeats']}); c(1) in ms; HF c(1) = plain decoding's step on a DynamicCache:", "",
-              _cost_table(result), "", "Draft head cost relative to c(1) (float32, the first prefix):",
+              _cost_table(result), "", f"Draft head cost relative to c(1) ({ref_dtype}, the first prefix):",
               "", _draft_table(result), "", _acceptance_text(result["acceptance"]), "",
-              "Best shapes (predicted speedup over the plain step = E[tokens per cycle] / (c(M) + draft cost)):", "",
+              f"Best shapes for {ref_dtype} (predicted speedup over the plain step = E[tokens per cycle] / (c(M) + "
+              "draft cost)):", "",
               _ranking_table(result["choice"]["ranking"][:10]), "",
               f"**Chosen: `{json.dumps(result['choice']['best']['options'])}`** (written to {result['tree_out']})", ""]
     if result["choice"]["best"]["speedup"] < 1.0:
@@ -473,11 +482,12 @@ def plot(result: dict, path: Path) -> None:
 
 
 # -- main --------------------------------------------------------------------------------------------------------
-def measure_costs(args) -> tuple[list[dict], Any, Any, Any]:
-    """Cost curves for every dtype and prefix; returns them and the float32 model, tokenizer and its c(1)."""
+def measure_costs(args) -> tuple[list[dict], dict[str, Any], Any, dict]:
+    """Cost curves for every dtype and prefix; returns them, the model of each dtype, the tokenizer and the curve
+    that chooses the shape (--choose-dtype at the first prefix)."""
     from eagle_compile.targets import load_default_target
 
-    curves = []
+    curves, models = [], {}
     for name in args.dtypes:
         model, tokenizer = load_default_target(getattr(torch, name))
         for prefix in args.prefixes:
@@ -486,10 +496,9 @@ def measure_costs(args) -> tuple[list[dict], Any, Any, Any]:
             curves.append({"dtype": name, "prefix": prefix, "seconds": curve, "c1_s": c1,
                            "hf_c1_s": hf_step(model, prefix, args.repeats, args.warmup)["median"],
                            "ratios": {n: v["median"] / c1 for n, v in curve.items()}})
-        if name == "float32":
-            f32 = (model, tokenizer)
-    ref = next(c for c in curves if c["dtype"] == "float32")    # float32 at the first prefix
-    return curves, f32[0], f32[1], ref
+        models[name] = model
+    ref = next(c for c in curves if c["dtype"] == args.choose_dtype)    # the first prefix
+    return curves, models, tokenizer, ref
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -497,12 +506,15 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_grad_enabled(False)
     set_threads(args.threads)
     load_before = print_load("before")
-    curves, model, tokenizer, ref = measure_costs(args)
-    head, head_info = load_head(model, args.draft)
+    curves, models, tokenizer, ref = measure_costs(args)
+    head, head_info = load_head(models["float32"], args.draft)
     print(f"draft: {head_info['note']}", flush=True)
-    draft = draft_costs(head, ref["prefix"], args.repeats, args.warmup)
+    costed = head if args.choose_dtype == "float32" else load_head(models[args.choose_dtype], args.draft)[0]
+    draft = draft_costs(costed, ref["prefix"], args.repeats, args.warmup)
     draft_rel = relative_draft_cost(draft, ref["c1_s"])
-    acceptance = measure_acceptance(model, tokenizer, head, args.data, args.calib_prompts, args.calib_tokens)
+    # acceptance in float32: the head's acceptance does not depend on the dtype the cost is paid in
+    acceptance = measure_acceptance(models["float32"], tokenizer, head, args.data, args.calib_prompts,
+                                    args.calib_tokens)
     choice = choose_tree_shape(ref["ratios"], draft_rel, acceptance, miss_decay=args.miss_decay)
     tree_out = args.tree_out or args.out / "tree.json"
     meta = {"head": head_info, "repeats": args.repeats, "warmup": args.warmup, "environment": environment(),

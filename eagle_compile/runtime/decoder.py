@@ -191,10 +191,11 @@ class SpeculativeDecoder:
             real = pos < lengths[:, None]
             mask = causal_mask(pos, real, cache.slots, cache.layers[0].keys.dtype)
             write = torch.where(real, pos, cache.sentinel)
-            logits, f = self.program(chunks[start // chunk], torch.where(real, pos, 0), mask, write, cache)
+            idx = (last - start).clamp(0, chunk - 1)                     # [B]: each row's last prompt token
+            # logits at those positions only: [B, B, V], row b's own at [b, b]
+            logits, f = self.program(chunks[start // chunk], torch.where(real, pos, 0), mask, write, cache, idx)
             feats.append(f)
-            idx = (last - start).clamp(0, chunk - 1)[:, None, None].expand(-1, 1, logits.shape[-1])
-            picked = logits.gather(1, idx)[:, 0].float()                # [B, V]
+            picked = logits.diagonal(dim1=0, dim2=1).transpose(0, 1).float()   # [B, V]
             here = ((last >= start) & (last < start + chunk))[:, None]
             last_logits = picked if last_logits is None else torch.where(here, picked, last_logits)
         first = self._sample_one(last_logits, sampling, generator)      # [B]

@@ -20,7 +20,13 @@ from eagle_compile.runtime.kv_cache import SlotKVCache
 
 
 class TargetProgram:
-    """Callable `(input_ids, position_ids, mask, write_slots, cache) -> (logits [B,T,V], features [B,T,A*Ht])`."""
+    """Callable `(input_ids, position_ids, mask, write_slots, cache[, keep]) -> (logits, features [B,T,A*Ht])`.
+
+    Logits are `[B, T, V]`, or with `keep` (`[K]` int64 positions, HF's ``logits_to_keep``) `[B, K, V]`: only
+    those positions go through the lm_head. Prefill needs one position a row, and the lm_head over every
+    position of a chunk is a large share of a prefill forward (V = 49,152 for SmolLM2). A call with `keep` is
+    its own captured graph.
+    """
 
     def __init__(self, model: torch.nn.Module, capture_indices: tuple[int, ...] | None, *,
                  inner_backend: str = "eager", recompile_limit: int = 64) -> None:
@@ -32,9 +38,10 @@ class TargetProgram:
         self._compiled = torch.compile(self._forward, backend=self._backend, fullgraph=True, dynamic=False,
                                        recompile_limit=recompile_limit, isolate_recompiles=True)
 
-    def _forward(self, input_ids, position_ids, mask, write_slots, cache):
+    def _forward(self, input_ids, position_ids, mask, write_slots, cache, keep=None):
+        kept = {} if keep is None else {"logits_to_keep": keep}
         out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, cache=cache,
-                         write_slots=write_slots, use_cache=True)
+                         write_slots=write_slots, use_cache=True, **kept)
         return out.logits
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
@@ -54,9 +61,10 @@ class TargetProgram:
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
-                 write_slots: torch.Tensor, cache: SlotKVCache) -> tuple[torch.Tensor, torch.Tensor]:
+                 write_slots: torch.Tensor, cache: SlotKVCache,
+                 keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         self._last_taps = None
-        logits = self._compiled(input_ids, position_ids, mask, write_slots, cache)
+        logits = self._compiled(input_ids, position_ids, mask, write_slots, cache, keep)
         taps, self._last_taps = self._last_taps, None
         if taps is None:
             raise RuntimeError("the captured target program ran without producing feature taps")

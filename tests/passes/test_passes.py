@@ -40,6 +40,29 @@ def test_taps_equal_output_hidden_states_at_capture_indices(arch):
     assert ctx.architecture == type(model).__name__
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_keep_computes_logits_at_those_positions_only(arch):
+    """Prefill asks for the logits of one position a row (`keep`): they equal the full forward's there, the
+    features and the cache writes are the full forward's, and the call is its own graph."""
+    model = tiny_target(arch)
+    tokens = torch.randint(3, 96, (2, 7))
+    program, logits, feats = _run_program(model, None, tokens)
+    pos = torch.arange(7).expand(2, 7)
+    cache = SlotKVCache(model.config, 2, 32, dtype=torch.float64, device="cpu")
+    keep = torch.tensor([6, 3])
+    kept, kept_feats = program(tokens, pos, causal_mask(pos, torch.ones_like(pos, dtype=torch.bool), 32,
+                                                        torch.float64), pos, cache, keep)
+    assert kept.shape == (2, 2, logits.shape[-1])
+    torch.testing.assert_close(kept, logits[:, keep], rtol=0, atol=1e-12)
+    torch.testing.assert_close(kept_feats, feats, rtol=0, atol=1e-12)
+    full_cache = SlotKVCache(model.config, 2, 32, dtype=torch.float64, device="cpu")
+    program(tokens, pos, causal_mask(pos, torch.ones_like(pos, dtype=torch.bool), 32, torch.float64), pos,
+            full_cache)
+    for a, b in zip(cache.layers, full_cache.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    assert program.graphs_captured == 2
+
+
 def test_custom_capture_indices_including_embeddings_and_last_layer():
     model = tiny_target("llama")
     tokens = torch.randint(3, 96, (1, 5))
