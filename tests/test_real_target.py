@@ -15,12 +15,12 @@ from eagle_compile.heads import shipped_head
 pytestmark = pytest.mark.slow
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 QUESTION_IDS = (81, 161, 321)          # MT-bench writing, translation, qa: first turns
-# Regression floors for the shipped head's mean acceptance length on these prompts, per tree: the tree chosen
-# for this CPU (tree.json, small because verifying costs c(N) here) and EAGLE's default tree (depth 7, top_k 10,
-# 60 tokens; the shape acceptance lengths are usually quoted with). The head (see its MODEL_CARD.md) measured 1.57
-# and 1.89 here; an untrained head gets 1.00. The target of 2.0 needs a better-trained head: raise these
-# floors with it.
-TAU_FLOORS = {"tree.json": 1.45, "default tree": 1.75}
+# Floors for the shipped head's mean acceptance length on these prompts, per tree: the tree chosen for this CPU
+# (tree.json, small because verifying costs c(N) here) and EAGLE's default tree (depth 7, top_k 10, 60 tokens; the
+# shape acceptance lengths are usually quoted with, and the one the tau >= 2.0 is held to). The head (see
+# its MODEL_CARD.md) measured 1.66 and 2.04 here (float32, 2 threads); an untrained head gets 1.00. Raise the
+# tree.json floor with a better-trained head.
+TAU_FLOORS = {"tree.json": 1.55, "default tree": 2.0}
 
 
 @pytest.fixture(scope="module")
