@@ -191,11 +191,10 @@ class SpeculativeDecoder:
             real = pos < lengths[:, None]
             mask = causal_mask(pos, real, cache.slots, cache.layers[0].keys.dtype)
             write = torch.where(real, pos, cache.sentinel)
-            idx = (last - start).clamp(0, chunk - 1)                     # [B]: each row's last prompt token
-            # logits at those positions only: [B, B, V], row b's own at [b, b]
+            idx = (last - start).clamp(0, chunk - 1)[:, None]            # [B, 1]: each row's last prompt token
             logits, f = self.program(chunks[start // chunk], torch.where(real, pos, 0), mask, write, cache, idx)
             feats.append(f)
-            picked = logits.diagonal(dim1=0, dim2=1).transpose(0, 1).float()   # [B, V]
+            picked = logits[:, 0].float()                                # [B, V]: logits at those positions only
             here = ((last >= start) & (last < start + chunk))[:, None]
             last_logits = picked if last_logits is None else torch.where(here, picked, last_logits)
         first = self._sample_one(last_logits, sampling, generator)      # [B]

@@ -22,10 +22,10 @@ from eagle_compile.runtime.kv_cache import SlotKVCache
 class TargetProgram:
     """Callable `(input_ids, position_ids, mask, write_slots, cache[, keep]) -> (logits, features [B,T,A*Ht])`.
 
-    Logits are `[B, T, V]`, or with `keep` (`[K]` int64 positions, HF's ``logits_to_keep``) `[B, K, V]`: only
-    those positions go through the lm_head. Prefill needs one position a row, and the lm_head over every
-    position of a chunk is a large share of a prefill forward (V = 49,152 for SmolLM2). A call with `keep` is
-    its own captured graph.
+    Logits are `[B, T, V]`, or with `keep` (`[B, K]` int64 positions per row, HF's ``logits_to_keep``)
+    `[B, K, V]`: only those positions go through the lm_head. Prefill needs one position a row, and the lm_head
+    over every position of a chunk is a large share of a prefill forward (V = 49,152 for SmolLM2). A call with
+    `keep` is its own captured graph.
     """
 
     def __init__(self, model: torch.nn.Module, capture_indices: tuple[int, ...] | None, *,

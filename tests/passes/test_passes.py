@@ -49,11 +49,11 @@ def test_keep_computes_logits_at_those_positions_only(arch):
     program, logits, feats = _run_program(model, None, tokens)
     pos = torch.arange(7).expand(2, 7)
     cache = SlotKVCache(model.config, 2, 32, dtype=torch.float64, device="cpu")
-    keep = torch.tensor([6, 3])
+    keep = torch.tensor([[6], [3]])                 # per row: row 0 at position 6, row 1 at position 3
     kept, kept_feats = program(tokens, pos, causal_mask(pos, torch.ones_like(pos, dtype=torch.bool), 32,
                                                         torch.float64), pos, cache, keep)
-    assert kept.shape == (2, 2, logits.shape[-1])
-    torch.testing.assert_close(kept, logits[:, keep], rtol=0, atol=1e-12)
+    assert kept.shape == (2, 1, logits.shape[-1])
+    torch.testing.assert_close(kept[:, 0], logits[torch.arange(2), keep[:, 0]], rtol=0, atol=1e-12)
     torch.testing.assert_close(kept_feats, feats, rtol=0, atol=1e-12)
     full_cache = SlotKVCache(model.config, 2, 32, dtype=torch.float64, device="cpu")
     program(tokens, pos, causal_mask(pos, torch.ones_like(pos, dtype=torch.bool), 32, torch.float64), pos,
