@@ -13,7 +13,7 @@ Full run (both prefixes, float32 and bfloat16, acceptance from 8 prompts x 128 t
 What it measures, in order:
 
 1. c(N): the wall time of one call of the target's captured verify program (`TargetProgram` on a `SlotKVCache`,
-   called as `SpeculativeDecoder` calls it: a chain of N tree tokens with a `tree_mask` after a prefix that a
+   called as `SpeculativeDecoder` calls it: a chain of N tree tokens with a tree `SlotMask` after a prefix that a
    chunked prefill wrote) for N in {1,2,4,6,8,12,16,24,32,48,64}, median of --repeats after a warm-up, per dtype
    and prefix; the N are timed round-robin, so a change of load hits all of them. The cache has the slots a
    generate call of 256 new tokens would use (prefix + 256 + 64, rounded up to 256). Printed and saved as
@@ -119,38 +119,42 @@ def cache_slots(prefix: int, largest: int) -> int:
     return math.ceil((prefix + 256 + largest + 2) / 256) * 256
 
 
-def prefill(program, cache, prefix: int, generator: torch.Generator, chunk: int = 64) -> None:
+def prefill(program, cache, prefix: int, generator: torch.Generator, chunk: int = 512) -> None:
     """Write `prefix` random tokens into the cache through the program, in chunks as the decoder's prefill does."""
-    from eagle_compile.runtime.masks import causal_mask
+    from eagle_compile.runtime.decoder import prefill_plan
+    from eagle_compile.runtime.masks import SlotMask
 
     vocab = program.model.config.vocab_size
-    for start in range(0, prefix, chunk):
-        pos = torch.arange(start, start + chunk)[None]
+    for start, size in prefill_plan(prefix, chunk):
+        pos = torch.arange(start, start + size)[None]
         real = pos < prefix
-        ids = torch.randint(0, vocab, (1, chunk), generator=generator)
-        mask = causal_mask(pos, real, cache.slots, cache.layers[0].keys.dtype)
+        ids = torch.randint(0, vocab, (1, size), generator=generator)
+        mask = SlotMask.causal(torch.tensor([start]), cache.slots)
         program(ids, torch.where(real, pos, 0), mask, torch.where(real, pos, cache.sentinel), cache)
 
 
 def verify_call(program, cache, prefix: int, n: int, generator: torch.Generator):
     """A zero-argument call of the program verifying a chain of `n` tokens after `prefix` (the root included)."""
-    from eagle_compile.runtime.masks import tree_mask
+    from eagle_compile.runtime.masks import SlotMask
 
     ids = torch.randint(0, program.model.config.vocab_size, (1, n), generator=generator)
     pos = prefix + torch.arange(n)[None]                                   # [1, n]: slot == position
     ancestors = torch.tril(torch.ones(n, n, dtype=torch.bool))[None]       # [1, n, n]: a chain
-    mask = tree_mask(ancestors, torch.tensor([prefix]), cache.slots, cache.layers[0].keys.dtype)
+    mask = SlotMask.tree(ancestors, torch.tensor([prefix]), cache.slots)
     return lambda: program(ids, pos, mask, pos, cache)
 
 
-def cost_curve(model, prefix: int, tokens: list[int], repeats: int, warmup: int) -> dict[int, dict]:
+def cost_curve(model, prefix: int, tokens: list[int], repeats: int, warmup: int, lowering=None) -> dict[int, dict]:
     """{N: median/min/max seconds and capture seconds} of the captured program verifying N tokens; the N are
-    timed round-robin (see `interleaved_times`) after each was captured once."""
+    timed round-robin (see `interleaved_times`) after each was captured once. `lowering`: the programs'
+    `eagle_compile.lowering.Lowering` (default: what inner_backend="auto" picks for the model)."""
+    from eagle_compile.lowering import auto_lowering
     from eagle_compile.runtime.kv_cache import SlotKVCache
     from eagle_compile.runtime.target_program import TargetProgram
 
     gen = torch.Generator().manual_seed(0)
-    program = TargetProgram(model, None, recompile_limit=len(tokens) + 8)
+    lowering = lowering or auto_lowering(model.device, model.dtype)
+    program = TargetProgram(model, None, lowering=lowering, recompile_limit=len(tokens) + 8)
     cache = SlotKVCache(model.config, 1, cache_slots(prefix, max(tokens)), dtype=model.dtype, device="cpu")
     prefill(program, cache, prefix, gen)
     calls = {n: verify_call(program, cache, prefix, n, gen) for n in tokens}
@@ -183,7 +187,7 @@ def hf_step(model, prefix: int, repeats: int, warmup: int) -> dict[str, float]:
 def draft_costs(head, prefix: int, repeats: int, warmup: int) -> dict[str, Any]:
     """Seconds of the draft's catch-up forward, and of its forward and top-k over w frontier nodes."""
     from eagle_compile.draft.drafter import EagleDrafter
-    from eagle_compile.runtime.masks import causal_mask
+    from eagle_compile.runtime.masks import SlotMask
 
     drafter, cfg, dtype = EagleDrafter(head), head.config, head.lm_head.weight.dtype
     slots = cache_slots(prefix, max(TOKENS))
@@ -191,7 +195,7 @@ def draft_costs(head, prefix: int, repeats: int, warmup: int) -> dict[str, Any]:
     feats = torch.randn(1, CATCH_UP_TOKENS, cfg.num_features * cfg.target_hidden_size, dtype=dtype)
     pos = prefix + torch.arange(CATCH_UP_TOKENS)[None]
     tokens = torch.randint(0, cfg.vocab_size, (1, CATCH_UP_TOKENS))
-    mask = causal_mask(pos, torch.ones_like(pos, dtype=torch.bool), slots, dtype)
+    mask = SlotMask.causal(torch.tensor([prefix]), slots)
     catch_up = median_time(lambda: drafter.forward(state, feats, tokens, pos, pos, mask, fuse=True),
                            repeats=repeats, warmup=warmup)["median"]
     out = {"catch_up": catch_up, "forward": {}, "top_k": {}}
@@ -204,12 +208,12 @@ def draft_costs(head, prefix: int, repeats: int, warmup: int) -> dict[str, Any]:
 
 def _frontier_calls(drafter, state, cfg, base: int, width: int, slots: int, dtype):
     """Zero-argument calls of one draft tree level over `width` frontier nodes: the forward, the top-k."""
-    from eagle_compile.runtime.masks import tree_mask
+    from eagle_compile.runtime.masks import SlotMask
 
     hidden = torch.randn(1, width, cfg.hidden_size, dtype=dtype)                 # [1, w, H]
     ids = torch.randint(0, cfg.vocab_size, (1, width))
     positions, write = torch.full((1, width), base), base + torch.arange(width)[None]
-    mask = tree_mask(torch.eye(width, dtype=torch.bool)[None], torch.tensor([base]), slots, dtype)
+    mask = SlotMask.tree(torch.eye(width, dtype=torch.bool)[None], torch.tensor([base]), slots)
     return (lambda: drafter.forward(state, hidden, ids, positions, write, mask, fuse=False),
             lambda: drafter.top_k(hidden, width))
 

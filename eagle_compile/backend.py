@@ -5,7 +5,9 @@ name up in the entry-point group when `torch.compile` is called, which imports t
 
 * `compiled(...)` (the plain forward): dynamo hands us the target's FX graph; `locate_layers` checks that it is a
   decoder we can speculate on (a clear error otherwise) and the graph runs unchanged, so the call still
-  returns the target's logits.
+  returns the target's logits: as its FX graph, or through inductor when `inner_backend="inductor"` is asked
+  for explicitly (`inductor_config` applies; "auto" keeps this pass-through eager: our programs, not the
+  user's forward, are what the automatic choice is measured on).
 * `compiled.generate(...)`: `torch.compile` wraps the model in an `OptimizedModule`, which forwards unknown
   attributes to the original model, so `compiled.generate` would be HF's plain decoding loop. Importing this
   module wraps `OptimizedModule.__getattr__` once: for a module compiled with *this* backend, `generate`
@@ -24,9 +26,9 @@ import torch
 from torch._dynamo.eval_frame import OptimizedModule, innermost_backend
 
 from eagle_compile.errors import OptionsError
+from eagle_compile.lowering import make_lowering
 from eagle_compile.options import EagleOptions, parse_options
 from eagle_compile.passes import PassContext, locate_layers
-from eagle_compile.runtime.target_program import lower
 
 BACKEND_NAME = "eagle31"
 
@@ -37,7 +39,9 @@ def eagle31_backend(gm: torch.fx.GraphModule, example_inputs: list, *, options: 
     opts = _options(options, mode)
     ctx = PassContext()
     locate_layers(gm, ctx)
-    return lower(gm, example_inputs, opts.inner_backend)
+    backend = "inductor" if opts.inner_backend == "inductor" else "eager"
+    return make_lowering(backend, opts.inductor_config, f"inner_backend={opts.inner_backend!r}").compile(
+        gm, example_inputs)
 
 
 def _options(options: dict | None, mode: str | None) -> EagleOptions:

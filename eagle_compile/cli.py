@@ -6,7 +6,6 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -46,18 +45,13 @@ def _run_demo(args, *, compare: bool) -> int:
 
     torch.set_grad_enabled(False)
     model, tokenizer = _target(args)
-    draft, note, folder = _draft(args, model, shipped_head())
+    draft, note = _draft(args, model, shipped_head())
     print(f"target: {type(model).__name__} ({model.config.num_hidden_layers} layers, {args.dtype})")
     print(f"draft:  {note}")
     messages = [{"role": "user", "content": args.prompt}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                         return_dict=True)["input_ids"]
-    options = json.loads(args.options)
-    tree_file = folder / "tree.json" if folder is not None else None
-    if not options and tree_file is not None and tree_file.is_file():
-        options = json.loads(tree_file.read_text())      # the tree shape chosen for this machine with the head
-        print(f"tree:   {options} (from {tree_file})")
-    options = {**options, "draft": draft}
+    options = {**json.loads(args.options), "draft": draft}   # no tree keys: tree.json beside the head decides
     compiled = torch.compile(model, backend="eagle31", options=options)
     compiled.generate(ids, max_new_tokens=4)          # capture the graphs before timing
     t0 = time.perf_counter()
@@ -68,7 +62,7 @@ def _run_demo(args, *, compare: bool) -> int:
     stats = out.stats
     print(f"speculative: {len(new)} tokens in {spec_time:.2f} s = {len(new) / spec_time:.1f} tok/s, "
           f"tau {stats.tau:.2f} tokens/cycle over {stats.cycles} cycles, histogram {stats.histogram}, "
-          f"tree {stats.tree}")
+          f"tree {stats.tree}; {stats.lowering}")
     if compare:
         t0 = time.perf_counter()
         ref = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
@@ -98,10 +92,10 @@ def _draft(args, model, shipped):
     from eagle_compile.draft.checkpoint import load_draft
 
     if args.draft is not None:
-        return load_draft(args.draft, target=model, dtype=model.dtype), f"{args.draft}", Path(args.draft)
+        return load_draft(args.draft, target=model, dtype=model.dtype), f"{args.draft}"
     if shipped is not None and args.target is None:
         note = f"shipped EAGLE 3.1 head {shipped.name} (see its MODEL_CARD.md)"
-        return load_draft(shipped, target=model, dtype=model.dtype), note, shipped
+        return load_draft(shipped, target=model, dtype=model.dtype), note
     from eagle_compile.draft.config import DraftConfig
     from eagle_compile.draft.model import EagleDraftModel
 
@@ -110,7 +104,7 @@ def _draft(args, model, shipped):
     head = head.to(model.dtype).eval()
     head.tie_target_embedding(model)
     return head, ("UNTRAINED random EAGLE 3.1 head (no trained head ships in this checkout): output is "
-                  "still exact, but almost no draft token is accepted, so expect no speedup"), None
+                  "still exact, but almost no draft token is accepted, so expect no speedup")
 
 
 if __name__ == "__main__":

@@ -13,9 +13,13 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from eagle_compile.errors import OptionsError
+from eagle_compile.lowering import resolve_inductor_config
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-_INNER = ("eager", "inductor")
+#: the official EAGLE tree (used when no tree key is given and no tree.json beside the head fits the target)
+EAGLE_TREE = {"depth": 7, "top_k": 10, "total_tokens": 60}
+TREE_KEYS = ("depth", "top_k", "total_tokens", "chain")
+_INNER = ("auto", "eager", "inductor")
 _KERNELS = ("auto", "on", "off")
 
 
@@ -25,13 +29,24 @@ class EagleOptions:
 
     Tree shape (EAGLE-2 dynamic tree, EAGLE31_SPEC.md §4.3): `depth` draft levels (the longest path holds
     `depth` draft tokens, so an oracle drafter emits `depth + 1` tokens a cycle), `top_k` children per
-    expanded node, `total_tokens` tree nodes including the root. Defaults are the official EAGLE ones
-    (d=7, k=10, M=60). `chain=k` selects chain drafting of k tokens instead (depth=k, top_k=1, M=k+1).
+    expanded node, `total_tokens` tree nodes including the root. `chain=k` selects chain drafting of k tokens
+    instead (depth=k, top_k=1, M=k+1). With no tree key at all, the shape comes from the `tree.json` beside the
+    head when it was chosen for the target's device kind and dtype (`draft/tree_file.py`), else from the
+    official EAGLE defaults (d=7, k=10, M=60); a key left out of a partial shape takes the EAGLE default.
+    The statistics and `eagle_compile.explain` say where the shape came from.
+
+    `speculate=False` decodes plainly through the same programs (one target forward per token, no draft work;
+    a draft, if given, is not run): the floor speculation is measured against.
 
     Caches are static: `max_cache_len` slots if given, else the prompt + new tokens + tree rounded up to a
     multiple of `cache_len_multiple`, so that calls of similar length reuse the captured graphs.
-    `prefill_chunk` is the static number of prompt tokens one prefill forward takes. `inner_backend` runs
-    the rewritten graph ("eager": the FX graph as is; "inductor": compile_fx). `step_program=True` captures the
+    `prefill_chunk` is the largest number of prompt tokens one prefill forward takes (static shapes: a prompt
+    is covered by chunks of `prefill_chunk`, `prefill_chunk // 4`, ... down to 16 tokens, so the number of
+    captured prefill graphs stays bounded). `inner_backend` runs the rewritten graphs: "eager" (the FX graph as
+    is), "inductor" (compile_fx with `inductor_config`: a preset of `eagle_compile.lowering.PRESETS` or a dict
+    of `torch._inductor.config` settings, applied to our programs only; default preset "freezing"), or "auto"
+    (the fastest setting whose greedy output matched HF eager greedy on the real-target tests, per device and
+    dtype: `eagle_compile.lowering.auto_lowering`). `step_program=True` captures the
     whole cycle (draft -> verify -> accept -> commit) as one graph and lowers it with the step passes (fused
     eagle31 ops); False runs the cycle as a host loop around the captured target program. `cudagraphs=True`
     captures one CUDA graph per batch bucket around the step and replays it (CUDA only; on other devices the
@@ -41,13 +56,15 @@ class EagleOptions:
     """
 
     draft: Any = None
-    depth: int = 7
-    top_k: int = 10
-    total_tokens: int = 60
+    depth: int | None = None
+    top_k: int | None = None
+    total_tokens: int | None = None
     chain: int | None = None
+    speculate: bool = True
     batch_buckets: tuple[int, ...] = DEFAULT_BUCKETS
-    prefill_chunk: int = 64
-    inner_backend: str = "eager"
+    prefill_chunk: int = 512
+    inner_backend: str = "auto"
+    inductor_config: Any = None
     step_program: bool = False
     cudagraphs: bool = False
     kernels: str = "auto"
@@ -55,13 +72,11 @@ class EagleOptions:
     cache_len_multiple: int = 256
 
     def __post_init__(self) -> None:
-        _check_positive_int("depth", self.depth)
-        _check_positive_int("top_k", self.top_k)
-        _check_positive_int("total_tokens", self.total_tokens)
+        for key in TREE_KEYS:
+            if getattr(self, key) is not None:
+                _check_positive_int(key, getattr(self, key))
         _check_positive_int("prefill_chunk", self.prefill_chunk)
-        if self.chain is not None:
-            _check_positive_int("chain", self.chain)
-        if self.total_tokens < 2:
+        if self.total_tokens is not None and self.total_tokens < 2:
             raise OptionsError(f"total_tokens={self.total_tokens}: a tree needs the root and at least one draft "
                                "token (total_tokens >= 2)")
         buckets = self.batch_buckets
@@ -76,7 +91,9 @@ class EagleOptions:
         if self.inner_backend not in _INNER:
             raise OptionsError(f"inner_backend={self.inner_backend!r}; valid values: {list(_INNER)}")
         _check_positive_int("cache_len_multiple", self.cache_len_multiple)
-        for flag in ("step_program", "cudagraphs"):
+        if self.inductor_config is not None:
+            resolve_inductor_config(self.inductor_config)
+        for flag in ("step_program", "cudagraphs", "speculate"):
             if not isinstance(getattr(self, flag), bool):
                 raise OptionsError(f"{flag}={getattr(self, flag)!r}: expected True or False")
         if self.max_cache_len is not None:
@@ -84,16 +101,21 @@ class EagleOptions:
 
     # -- derived tree shape ------------------------------------------------------------------------------
     @property
+    def tree_given(self) -> bool:
+        """Whether any tree key was given (then tree.json beside the head is not consulted)."""
+        return any(getattr(self, k) is not None for k in TREE_KEYS)
+
+    @property
     def tree_depth(self) -> int:
-        return self.chain if self.chain is not None else self.depth
+        return self.chain if self.chain is not None else _or(self.depth, "depth")
 
     @property
     def tree_top_k(self) -> int:
-        return 1 if self.chain is not None else self.top_k
+        return 1 if self.chain is not None else _or(self.top_k, "top_k")
 
     @property
     def tree_tokens(self) -> int:
-        return self.chain + 1 if self.chain is not None else self.total_tokens
+        return self.chain + 1 if self.chain is not None else _or(self.total_tokens, "total_tokens")
 
     def replace(self, **changes: Any) -> EagleOptions:
         return parse_options({**self.as_dict(), **changes})
@@ -116,7 +138,7 @@ def parse_options(options: Mapping[str, Any] | EagleOptions | None) -> EagleOpti
     unknown = sorted(set(options) - set(VALID_KEYS))
     if unknown:
         raise OptionsError(f"unknown eagle31 option(s) {unknown}; valid keys: {list(VALID_KEYS)}")
-    explicit_tree = {"depth", "top_k", "total_tokens"} & set(options)
+    explicit_tree = {k for k in ("depth", "top_k", "total_tokens") if options.get(k) is not None}
     if options.get("chain") is not None and explicit_tree:
         raise OptionsError(f"chain={options['chain']} selects chain drafting; do not also give "
                            f"{sorted(explicit_tree)} (tree options)")
@@ -126,9 +148,13 @@ def parse_options(options: Mapping[str, Any] | EagleOptions | None) -> EagleOpti
         raise OptionsError(str(exc)) from exc
 
 
+def _or(value: int | None, key: str) -> int:
+    return EAGLE_TREE[key] if value is None else value
+
+
 def _check_positive_int(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise OptionsError(f"{name}={value!r}: expected a positive int")
 
 
-__all__ = ["EagleOptions", "parse_options", "VALID_KEYS", "DEFAULT_BUCKETS"]
+__all__ = ["EagleOptions", "parse_options", "VALID_KEYS", "DEFAULT_BUCKETS", "EAGLE_TREE", "TREE_KEYS"]

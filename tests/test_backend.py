@@ -39,7 +39,9 @@ def test_unknown_option_names_valid_keys():
 @pytest.mark.parametrize("bad, words", [
     ({"depth": 0}, "depth=0"),
     ({"top_k": "3"}, "top_k='3'"),
-    ({"inner_backend": "tvm"}, "['eager', 'inductor']"),
+    ({"inner_backend": "tvm"}, "['auto', 'eager', 'inductor']"),
+    ({"inductor_config": "fast"}, "not a preset"),
+    ({"inductor_config": {"no_such_setting": 1}}, "not torch._inductor.config settings"),
     ({"batch_buckets": (4, 2)}, "strictly increasing"),
     ({"chain": 3, "depth": 4}, "chain drafting"),
     ({"depth": 2, "top_k": 2, "total_tokens": 40}, None),
@@ -61,7 +63,8 @@ def test_options_are_frozen_and_chain_derives_the_tree():
     assert (opts.tree_depth, opts.tree_top_k, opts.tree_tokens) == (4, 1, 5)
     with pytest.raises(dataclasses.FrozenInstanceError):
         opts.depth = 3
-    assert EagleOptions().as_dict()["total_tokens"] == 60
+    assert EagleOptions().as_dict()["total_tokens"] is None and not EagleOptions().tree_given
+    assert EagleOptions().tree_tokens == 60 and parse_options({"depth": 3}).tree_given
 
 
 def test_compiled_forward_returns_target_logits():
@@ -88,7 +91,7 @@ def test_compiled_generate_is_speculative_and_uses_compile_options():
     compiled = torch.compile(model, backend="eagle31", options={"chain": 3, "draft": drafter})
     out = compiled.generate(ids, max_new_tokens=12, return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref)
-    assert out.stats.tree == {"depth": 3, "top_k": 1, "total_tokens": 4}
+    assert out.stats.tree == {"depth": 3, "top_k": 1, "total_tokens": 4, "source": "options"}
     assert max(out.stats.histogram) == 4          # oracle: depth + 1 tokens per cycle
     other = torch.compile(model, backend="inductor")
     assert other.generate.__func__ is type(model).generate   # other backends keep HF's generate

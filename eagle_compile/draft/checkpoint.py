@@ -96,6 +96,7 @@ def load_draft(
         model.tie_target_embedding(embed, owned=True)
     elif target is not None:
         model.tie_target_embedding(target)
+    model.source_dir = path.resolve()
     return model.eval()
 
 

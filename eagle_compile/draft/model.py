@@ -14,7 +14,9 @@ step's ``feedback`` otherwise. Module names make ``state_dict()`` keys equal the
 and never part of the state dict.
 
 The KV cache is static (docs/INTERNALS.md): ``keys/values [B, n_kv_heads, slots, head_dim]``, new keys are
-scattered into explicit ``write_slots`` and queries attend over all slots through an additive float mask.
+written into explicit ``write_slots`` (``eagle31::kv_write``). Queries see what a ``SlotMask`` (runtime/masks.py:
+committed prefix + the block's own slots) describes, through ``eagle31::tree_attention``, which reads only the
+live slots; a dense additive ``[B, 1, T, slots]`` mask (arbitrary visibility, tests) runs SDPA over all slots.
 
 ``reference_fuse`` and ``draft_step_reference`` at the bottom are the literal §2.5 computation (append-style
 cache, explicit per-head softmax); tests compare the module against them.
@@ -28,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import eagle_compile.kernels  # noqa: F401  (registers torch.ops.eagle31.*)
 from eagle_compile.draft.config import DraftConfig
 
 
@@ -98,14 +101,14 @@ class DraftAttention(nn.Module):
         sin: torch.Tensor,  # [batch, tokens, head_dim]
         kv: DraftKV,
         write_slots: torch.Tensor,  # [batch, tokens] int64
-        attn_mask: torch.Tensor,  # [batch, 1, tokens, slots] additive
+        attn_mask,  # SlotMask, or [batch, 1, tokens, slots] additive
     ) -> torch.Tensor:
-        b, t, _ = x.shape
         q, k, v = self.project_qkv(x, cos, sin)
-        index = write_slots[:, None, :, None].expand(b, self.num_kv_heads, t, self.head_dim)
-        kv.keys.scatter_(2, index, k.to(kv.keys.dtype))
-        kv.values.scatter_(2, index, v.to(kv.values.dtype))
-
+        torch.ops.eagle31.kv_write(kv.keys, kv.values, write_slots, k, v)
+        if not isinstance(attn_mask, torch.Tensor):
+            out = torch.ops.eagle31.tree_attention(q.to(kv.keys.dtype), kv.keys, kv.values, attn_mask.base,
+                                                   attn_mask.local, self.head_dim ** -0.5)
+            return self.project_out(out.to(q.dtype))
         groups = self.num_heads // self.num_kv_heads
         keys = kv.keys.to(q.dtype).repeat_interleave(groups, dim=1)  # [batch, heads, slots, head_dim]
         values = kv.values.to(q.dtype).repeat_interleave(groups, dim=1)
@@ -193,6 +196,7 @@ class EagleDraftModel(nn.Module):
         t2d[: config.draft_vocab_size] = True
         self.register_buffer("t2d", t2d)
         self.embed_tokens = TargetEmbedding()
+        self.source_dir = None  # the checkpoint folder `load_draft` read (its tree.json gives the default tree)
         self._build_rope()
         if embed_tokens is not None:
             self.tie_target_embedding(embed_tokens)
@@ -276,7 +280,7 @@ class EagleDraftModel(nn.Module):
         position_ids: torch.Tensor,  # [batch, tokens]
         kv: DraftKV,
         write_slots: torch.Tensor,  # [batch, tokens] int64
-        attn_mask: torch.Tensor,  # [batch, 1, tokens, slots] additive float: 0 attend, -inf blocked
+        attn_mask,  # SlotMask (runtime/masks.py), or [batch, 1, tokens, slots] additive float: 0 attend, -inf blocked
     ) -> DraftStepOutput:
         """One draft step; writes this step's keys/values into ``kv`` at ``write_slots`` (in place)."""
         if write_slots.dtype != torch.int64:

@@ -23,7 +23,7 @@ import torch
 
 from eagle_compile.draft.drafter import Drafter
 from eagle_compile.errors import OptionsError
-from eagle_compile.runtime.masks import tree_mask
+from eagle_compile.runtime.masks import SlotMask
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def build_tree(drafter: Drafter, state, seed_feedback: torch.Tensor, seed_head: 
         seed_feedback: [B, H] catch-up feedback at the root's draft position (n-2).
         seed_head: [B, H] catch-up head input at that position.
         root: [B] last emitted token. seq_len: [B] committed sequence length n (root included).
-        draft_slots: S of the draft cache (masks are [B, 1, K, S]).
+        draft_slots: S of the draft cache.
         active: [B] bool; inactive (frozen or padding) rows write only the sentinel slot S-1.
     """
     K, D = shape.top_k, shape.depth
@@ -96,7 +96,7 @@ def build_tree(drafter: Drafter, state, seed_feedback: torch.Tensor, seed_head: 
         if active is not None:
             slots = torch.where(active[:, None], slots, draft_slots - 1)
         positions = (seq_len - 2 + level)[:, None].expand(B, K)
-        mask = tree_mask(anc, base, draft_slots, seed_head.dtype)
+        mask = SlotMask.tree(anc, base, draft_slots)
         feedback, head = drafter.forward(state, f_hidden, f_tok, positions, slots, mask, fuse=False)
         child_score, child_tok = drafter.top_k(head, K)                      # [B, K, K]
         cand_score = (f_score[:, :, None] + child_score).reshape(B, K * K)

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import torch
 
-from eagle_compile.kernels import _dispatch, accept, draft_topk, fc_norm_fuse, kv_compact, tree_attention
+from eagle_compile.kernels import _dispatch, accept, draft_topk, fc_norm_fuse, kv_compact, kv_write, tree_attention
 
 #: op name -> (what it does, whether it takes only fp16/bf16/fp32 compute tensors)
 KERNELS: dict[str, tuple[str, bool]] = {
-    "tree_attention": ("tree queries over the static KV cache with the additive tree mask, GQA", True),
+    "tree_attention": ("a block of queries over the live slots of the cache (prefix + causal/tree block), GQA",
+                       True),
     "fc_norm_fuse": ("EAGLE 3.1 per-feature RMSNorms + concat + fc in one pass", True),
     "draft_topk": ("draft lm_head + log-softmax top-k + d2t without materialising the logits", True),
     "kv_compact": ("moves the accepted path's K/V into place (in place)", False),
+    "kv_write": ("new K/V into their cache slots (in place, so lowerings never copy the cache)", False),
     "accept_greedy": ("greedy path matching and bonus token", False),
     "accept_sample": ("lossless tree sampling (deterministic drafts) and bonus token", False),
 }
@@ -33,10 +35,20 @@ def kernel_choices(device: torch.device | str = "cuda",
     """
     choices = {}
     for name, (_, float_only) in KERNELS.items():
+        if name in TORCH_ONLY:
+            choices[name] = (_dispatch.REFERENCE, TORCH_ONLY[name])
+            continue
         c = _dispatch.choose(device, dtype, dtypes=_dispatch.FLOAT_DTYPES if float_only else None)
         choices[name] = (c.impl, c.reason)
+    if torch.device(device).type == "cpu" and choices["tree_attention"][0] == _dispatch.REFERENCE:
+        choices["tree_attention"] = (_dispatch.REFERENCE, "CPU: torch's flash attention over the prefix and the "
+                                                          "block, merged by log-sum-exp (live slots only)")
     return choices
 
 
-__all__ = ["KERNELS", "accept", "draft_topk", "fc_norm_fuse", "kernel_choices", "kv_compact",
+#: ops that run torch code on every device, and why
+TORCH_ONLY = {"kv_write": "a scatter of the new rows; torch's runs on every device (no Triton kernel)"}
+
+
+__all__ = ["KERNELS", "accept", "draft_topk", "fc_norm_fuse", "kernel_choices", "kv_compact", "kv_write",
            "tree_attention"]

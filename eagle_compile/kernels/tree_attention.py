@@ -1,16 +1,32 @@
-"""`eagle31::tree_attention`: the verify step's attention, tree queries over the static KV cache.
+"""`eagle31::tree_attention`: a block of new tokens attends over a static slot cache, reading only its live part.
 
-The tree's T query tokens attend to the whole static cache `[B, Hkv, S, hd]` through an additive mask
-`[B, 1, T, S]` (0 = attend, -inf = blocked; INTERNALS.md "KV caches"): the prefix, the node's own ancestors
-and itself. It is SDPA with a mask, but two things make a dedicated kernel worth it on CUDA:
-- grouped-query heads: the G = Hq / Hkv query heads sharing one KV head are packed into the rows of one tile
-  (row = g * T + t), so K/V are read once per KV head instead of G times;
-- the cache is static (S = max_cache_len) and mostly empty: KV tiles whose mask is -inf for every row of the
-  tile are skipped without loading K or V.
+The T query tokens of row b occupy the cache slots that start at `base[b]` (a prefill chunk, a one-token step,
+a verify tree of T nodes, a draft tree level). Query i sees
 
-Softmax is the flash-style online softmax in fp32 (exp2 with log2(e) folded into the scale). A query row whose
-mask is -inf everywhere (a padding row) gives 0, like torch's SDPA on CPU; the reference enforces that on
-every backend.
+* every committed slot `s < base[b]` (the prefix), and
+* block slot `base[b] + j` (0 <= j < W) when `local[b, i, j]` (its tree ancestors and itself); `local=None`
+  is a causal block (W = T, j <= i): prefill chunks, one-token steps, the draft's catch-up.
+
+Nothing else is visible, and nothing else is read: slots at or past `base[b] + W` are never loaded, so the cost
+follows the live context, not the cache's allocated size S (a cache sized for 8K tokens costs a 300-token
+conversation what 300 tokens cost). `slot_mask` is the same visibility written as the dense additive
+`[B, 1, T, S]` mask HF models take: the traced program builds it for the model and the `tree_attention` pass
+proves it redundant, replacing each masked SDPA whose mask is a `slot_mask` with this op.
+
+Implementations:
+
+* CPU: two calls of torch's CPU flash attention, one over the prefix (no
+  mask when every row has the same base) and one over the block (`is_causal` or the local mask), merged by
+  their log-sum-exp. Grouped-query heads are handled by the flash kernel itself: K/V are never repeated to the
+  query-head count. The prefix length is read on the host (free for CPU tensors). Other devices without
+  Triton (or float64) run the dense reference.
+* CUDA: one Triton kernel. The G = Hq / Hkv query heads sharing a KV head are packed into the rows of one tile
+  (row = g * T + t), so K/V are read once per KV head; the prefix loop runs to `base[b]`, read on the device
+  (no host synchronisation: CUDA-graph safe). Flash-style online softmax in fp32 (exp2, log2(e) folded into
+  the scale).
+
+A query that sees nothing gives 0 (like torch's SDPA with an all -inf mask row on CPU); `tree_attention_reference`
+is the dense oracle the tests compare both against.
 """
 
 from __future__ import annotations
@@ -28,17 +44,16 @@ MAX_HEAD_DIM = 256
 
 
 def _tree_attention_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, base_ptr, local_ptr, out_ptr,
     sq_b, sq_h, sq_t, sq_d,
     sk_b, sk_h, sk_s, sk_d,
     sv_b, sv_h, sv_s, sv_d,
-    sm_b, sm_t, sm_s,
+    sl_b, sl_t, sl_w,
     so_b, so_h, so_t, so_d,
-    T, S, HD, HKV, qk_scale,
+    T, W, HD, HKV, qk_scale,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    LOG2E: tl.constexpr = 1.4426950408889634
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // HKV).to(tl.int64)
@@ -51,88 +66,173 @@ def _tree_attention_kernel(
     hq = hkv * GROUP + g
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HD
+    base = tl.load(base_ptr + b)
 
     q = tl.load(q_ptr + b * sq_b + hq[:, None] * sq_h + t[:, None] * sq_t + d[None, :] * sq_d,
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
+    k_row = k_ptr + b * sk_b + hkv * sk_h
+    v_row = v_ptr + b * sv_b + hkv * sv_h
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
-    for start in range(0, S, BLOCK_N):
-        s = start + tl.arange(0, BLOCK_N)
-        s_ok = s < S
-        bias = tl.load(mask_ptr + b * sm_b + t[:, None] * sm_t + s[None, :] * sm_s,
-                       mask=row_ok[:, None] & s_ok[None, :], other=float("-inf")).to(tl.float32)
-        row_max = tl.reduce(bias, 1, tl.standard._elementwise_max)
-        if tl.reduce(row_max, 0, tl.standard._elementwise_max) > float("-inf"):
-            kv_ok = s_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_ptr + b * sk_b + hkv * sk_h + s[:, None] * sk_s + d[None, :] * sk_d,
-                        mask=kv_ok, other=0.0)
-            v = tl.load(v_ptr + b * sv_b + hkv * sv_h + s[:, None] * sv_s + d[None, :] * sv_d,
-                        mask=kv_ok, other=0.0)
-            if DOT_F32:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            x = tl.dot(q, tl.trans(k)) * qk_scale + bias * LOG2E  # [BLOCK_M, BLOCK_N], log2 units
-            m_new = tl.maximum(m_i, tl.reduce(x, 1, tl.standard._elementwise_max))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all blocked so far: exp2(-inf) = 0
-            p = tl.exp2(x - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+    # One loop over the prefix tiles (slots [0, base), visible to every query of the row), then the block's
+    # tiles (slots base + j, j < W: causal, or as the local mask says). `n_pre` rounds the prefix up to whole
+    # tiles, so each tile is entirely prefix or entirely block.
+    n_pre = ((base + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+    for start in range(0, n_pre + W, BLOCK_N):
+        u = start + tl.arange(0, BLOCK_N)
+        in_pre = start < n_pre
+        j = u - n_pre                                   # block offset (meaningful in block tiles)
+        j_ok = (j >= 0) & (j < W)
+        slot = tl.where(in_pre, u, base + j)
+        slot_ok = tl.where(in_pre, u < base, j_ok)
+        if CAUSAL:
+            in_block = j[None, :] <= t[:, None]
+        else:
+            in_block = tl.load(local_ptr + b * sl_b + t[:, None] * sl_t + j[None, :] * sl_w,
+                               mask=row_ok[:, None] & j_ok[None, :], other=0) != 0
+        visible = row_ok[:, None] & slot_ok[None, :] & (in_pre | in_block)
+        kv_ok = slot_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_row + slot[:, None] * sk_s + d[None, :] * sk_d, mask=kv_ok, other=0.0)
+        v = tl.load(v_row + slot[:, None] * sv_s + d[None, :] * sv_d, mask=kv_ok, other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        x = tl.where(visible, tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))  # [BLOCK_M, BLOCK_N], log2 units
+        m_new = tl.maximum(m_i, tl.reduce(x, 1, tl.standard._elementwise_max))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all blocked so far: exp2(-inf) = 0
+        p = tl.exp2(x - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # rows that saw nothing: acc == 0 -> 0
     tl.store(out_ptr + b * so_b + hq[:, None] * so_h + t[:, None] * so_t + d[None, :] * so_d,
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor) -> None:
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, base: torch.Tensor,
+           local: torch.Tensor | None) -> None:
     if q.dim() != 4 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(f"tree_attention: expected q [B,Hq,T,hd], k_cache and v_cache [B,Hkv,S,hd]; got q "
                          f"{tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
-    (b, hq, t, hd), (bk, hkv, s, hdk) = q.shape, k_cache.shape
+    (b, hq, t, hd), (bk, hkv, _, hdk) = q.shape, k_cache.shape
     if bk != b or hdk != hd or hkv == 0 or hq % hkv:
         raise ValueError(f"tree_attention: q {tuple(q.shape)} does not fit k_cache {tuple(k_cache.shape)}: "
                          "batch and head_dim must match and Hq must be a multiple of Hkv (grouped-query "
                          "attention)")
-    if (mask.dim() != 4 or mask.shape[0] not in (1, b) or mask.shape[1] != 1
-            or tuple(mask.shape[2:]) != (t, s)):
-        raise ValueError(f"tree_attention: mask {tuple(mask.shape)} should be [B or 1, 1, T, S] = "
-                         f"[{b}, 1, {t}, {s}]")
-    if not mask.is_floating_point():
-        raise ValueError(f"tree_attention: mask dtype {mask.dtype}; give an additive float mask "
-                         "(0 = attend, -inf = blocked) in the model dtype")
+    if base.shape != (b,) or base.dtype != torch.int64:
+        raise ValueError(f"tree_attention: base must be [B] = [{b}] int64 (first block slot per row), got "
+                         f"{tuple(base.shape)} {base.dtype}")
+    if local is not None and (local.dim() != 3 or local.shape[:2] != (b, t) or local.dtype != torch.bool):
+        raise ValueError(f"tree_attention: local must be [B, T, W] = [{b}, {t}, W] bool (None: a causal block), "
+                         f"got {tuple(local.shape)} {local.dtype}")
 
 
-def tree_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                             mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """SDPA with the additive mask and grouped-query heads; fully masked query rows give 0.
+def block_width(tokens: int, local: torch.Tensor | None) -> int:
+    """W: how many slots from `base` the block spans (T for a causal block)."""
+    return tokens if local is None else local.shape[-1]
+
+
+def visible_slots(base: torch.Tensor, local: torch.Tensor | None, tokens: int, slots: int) -> torch.Tensor:
+    """[B, T, S] bool: which cache slot each query sees (the definition of the module docstring).
 
     Args:
-        q: [B, Hq, T, hd] tree queries.
-        k_cache, v_cache: [B, Hkv, S, hd] the static cache (the tree's own K/V already written).
-        mask: [B or 1, 1, T, S] additive float mask.
-        scale: softmax scale (1/sqrt(hd) for the supported models).
+        base: [B] int64 first block slot per row. local: [B, T, W] bool or None (causal block of `tokens`).
+    """
+    s = torch.arange(slots, device=base.device)
+    j = s[None, :] - base[:, None]                                          # [B, S]: offset into the block
+    width = block_width(tokens, local)
+    in_block = (j >= 0) & (j < width)
+    if local is None:
+        block = j[:, None, :] <= torch.arange(tokens, device=base.device)[None, :, None]       # [B, T, S]
+    else:
+        index = j.clamp(0, width - 1)[:, None, :].expand(-1, tokens, -1)
+        block = local.gather(2, index)
+    return (j < 0)[:, None, :] | (in_block[:, None, :] & block)
+
+
+def tree_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, base: torch.Tensor,
+                             local: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """The dense oracle: SDPA over every slot with the `visible_slots` mask; queries that see nothing give 0.
+
+    Args:
+        q: [B, Hq, T, hd] block queries.
+        k_cache, v_cache: [B, Hkv, S, hd] the static cache (the block's own K/V already written).
+        base: [B] int64; local: [B, T, W] bool or None (see the module docstring).
+        scale: softmax scale.
 
     Returns:
         [B, Hq, T, hd] in q's dtype.
     """
-    _check(q, k_cache, v_cache, mask)
+    _check(q, k_cache, v_cache, base, local)
+    visible = visible_slots(base, local, q.shape[2], k_cache.shape[2])[:, None]          # [B, 1, T, S]
     groups = q.shape[1] // k_cache.shape[1]
-    if groups > 1:
-        k_cache = k_cache.repeat_interleave(groups, dim=1)
-        v_cache = v_cache.repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask.to(q.dtype), scale=scale)
-    blocked = torch.isneginf(mask).all(dim=-1, keepdim=True)  # [B, 1, T, 1]
-    return out.masked_fill(blocked, 0.0)
+    k = k_cache.repeat_interleave(groups, dim=1)
+    v = v_cache.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=_additive(visible, q.dtype), scale=scale)
+    return out.masked_fill(~visible.any(-1, keepdim=True), 0.0)
 
 
-def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor,
-                          scale: float, *, out: torch.Tensor | None = None, interpret: bool | None = None,
-                          block_m: int | None = None, block_n: int | None = None,
+def tree_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, base: torch.Tensor,
+                       local: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Prefix and block attention with torch's flash kernel, merged by log-sum-exp (reads only live slots).
+
+    Shapes as `tree_attention_reference`. Each part is a flash call whose logsumexp `lse` makes the merge exact
+    in real arithmetic: out = sum_p exp(lse_p - m) out_p / sum_p exp(lse_p - m). A part a query cannot see at
+    all is given lse = -inf (the flash kernel reports 0 for an all-masked row).
+    """
+    _check(q, k_cache, v_cache, base, local)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    b, hkv, hd = q.shape[0], k_cache.shape[1], q.shape[3]
+    t = q.shape[2]
+    width = block_width(t, local)
+    lo, hi = int(base.min()), int(base.max())           # host reads; CPU tensors, so no device round trip
+    if lo == hi:
+        k_block, v_block = k_cache[:, :, lo:lo + width], v_cache[:, :, lo:lo + width]
+    else:
+        index = (base[:, None] + torch.arange(width, device=base.device))[:, None, :, None]
+        index = index.expand(b, hkv, width, hd)
+        k_block, v_block = k_cache.gather(2, index), v_cache.gather(2, index)
+    if local is None:
+        out_b, lse_b = flash(q, k_block, v_block, is_causal=True, scale=scale)[:2]
+    else:
+        out_b, lse_b = flash(q, k_block, v_block, attn_mask=_additive(local[:, None], q.dtype), scale=scale)[:2]
+        lse_b = lse_b.masked_fill(~local.any(-1)[:, None], float("-inf"))
+    if hi == 0:
+        return out_b.masked_fill(torch.isneginf(lse_b)[..., None], 0.0).to(q.dtype).contiguous()
+    prefix_mask = None
+    if lo != hi:
+        prefix_mask = _additive((torch.arange(hi, device=base.device) < base[:, None])[:, None, None, :], q.dtype)
+    out_p, lse_p = flash(q, k_cache[:, :, :hi], v_cache[:, :, :hi], attn_mask=prefix_mask, scale=scale)[:2]
+    if lo == 0:
+        lse_p = lse_p.masked_fill((base == 0)[:, None, None], float("-inf"))
+    return _merge(out_p, lse_p, out_b, lse_b).to(q.dtype).contiguous()
+
+
+def _merge(out_a, lse_a, out_b, lse_b) -> torch.Tensor:
+    """Combine two softmax-attention partial results over disjoint key sets by their log-sum-exps."""
+    acc = torch.promote_types(out_a.dtype, torch.float32)
+    m = torch.maximum(lse_a, lse_b)
+    m = torch.where(torch.isneginf(m), 0.0, m)                    # both parts empty: weights 0, output 0
+    wa, wb = (lse_a - m).exp()[..., None], (lse_b - m).exp()[..., None]
+    total = wa + wb
+    merged = (out_a.to(acc) * wa + out_b.to(acc) * wb) / torch.where(total > 0, total, 1.0)
+    return merged
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    zero = torch.zeros((), dtype=dtype, device=visible.device)
+    return torch.where(visible, zero, torch.tensor(float("-inf"), dtype=dtype, device=visible.device))
+
+
+def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, base: torch.Tensor,
+                          local: torch.Tensor | None, scale: float, *, out: torch.Tensor | None = None,
+                          interpret: bool | None = None, block_m: int | None = None, block_n: int | None = None,
                           num_warps: int | None = None) -> torch.Tensor:
     """Launch the Triton kernel.
 
@@ -140,7 +240,7 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         q: [B, Hq, T, hd] fp16/bf16/fp32; any strides.
         k_cache, v_cache: [B, Hkv, S, hd], same dtype; Hq % Hkv == 0; hd <= 256 (tiles use the next power of
             two, at least 16, and mask the rest).
-        mask: [B or 1, 1, T, S] additive float mask (any float dtype, read as fp32).
+        base: [B] int64 first block slot per row; local: [B, T, W] bool, or None for a causal block.
         scale: softmax scale.
         out: optional [B, Hq, T, hd] output buffer (tests poison it); allocated when None.
         interpret: run through the Triton interpreter; default: unless the tensors are on CUDA.
@@ -154,9 +254,9 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     Returns:
         `out`, [B, Hq, T, hd] in q's dtype.
     """
-    _check(q, k_cache, v_cache, mask)
+    _check(q, k_cache, v_cache, base, local)
     b, hq, t, hd = q.shape
-    hkv, s = k_cache.shape[1], k_cache.shape[2]
+    hkv = k_cache.shape[1]
     if hd > MAX_HEAD_DIM:
         raise ValueError(f"tree_attention: head_dim {hd} > {MAX_HEAD_DIM}, the largest the Triton kernel "
                          "tiles")
@@ -173,32 +273,48 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         block_n = 64 if row <= 256 else 32
     if num_warps is None:
         num_warps = 8 if block_m * row >= 16 * 1024 else 4
-    mask_b = 0 if mask.shape[0] == 1 else mask.stride(0)
+    causal = local is None
+    local_arg = base if causal else local                      # any tensor: the causal kernel never reads it
+    local_strides = (0, 0, 0) if causal else local.stride()
     grid = (_dispatch.cdiv(group * t, block_m), b * hkv)
     _dispatch.kernel(_tree_attention_kernel, interpret)[grid](
-        q, k_cache, v_cache, mask, out,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(),
-        mask_b, mask.stride(2), mask.stride(3),
-        *out.stride(),
-        t, s, hd, hkv, scale * math.log2(math.e),
-        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        q, k_cache, v_cache, base, local_arg, out,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *local_strides, *out.stride(),
+        t, block_width(t, local), hd, hkv, scale * math.log2(math.e),
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, CAUSAL=causal,
         DOT_F32=_dispatch.dot_in_fp32(q.dtype, interpret), num_warps=num_warps,
     )
     return out
 
 
 @torch.library.custom_op("eagle31::tree_attention", mutates_args=())
-def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor,
-                   scale: float) -> torch.Tensor:
-    """[B,Hq,T,hd] attention of the tree queries over the cache with an additive mask (see the module doc)."""
+def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, base: torch.Tensor,
+                   local: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """[B,Hq,T,hd] attention of a block of queries over the live part of the cache (see the module doc)."""
     choice = _dispatch.choose(q.device, q.dtype)
     if choice.impl == _dispatch.REFERENCE:
-        return tree_attention_reference(q, k_cache, v_cache, mask, scale).contiguous()
-    return tree_attention_triton(q, k_cache, v_cache, mask, scale,
+        if q.device.type == "cpu":
+            return tree_attention_cpu(q, k_cache, v_cache, base, local, scale)
+        return tree_attention_reference(q, k_cache, v_cache, base, local, scale).contiguous()
+    return tree_attention_triton(q, k_cache, v_cache, base, local, scale,
                                  interpret=choice.impl == _dispatch.INTERPRETER)
 
 
 @tree_attention.register_fake
-def _(q, k_cache, v_cache, mask, scale):
-    _check(q, k_cache, v_cache, mask)
+def _(q, k_cache, v_cache, base, local, scale):
+    _check(q, k_cache, v_cache, base, local)
     return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("eagle31::slot_mask", mutates_args=())
+def slot_mask(base: torch.Tensor, local: torch.Tensor | None, tokens: int, slots: int,
+              dtype: torch.dtype) -> torch.Tensor:
+    """The dense additive mask `[B, 1, T, S]` (0 = attend, -inf = blocked) of `visible_slots`: what an HF model
+    takes as its 4-D attention mask. In a captured program the `tree_attention` pass replaces every SDPA that
+    reads it with `eagle31::tree_attention(.., base, local, ..)`, after which it is dead code."""
+    return _additive(visible_slots(base, local, tokens, slots)[:, None], dtype)
+
+
+@slot_mask.register_fake
+def _(base, local, tokens, slots, dtype):
+    return base.new_empty((base.shape[0], 1, tokens, slots), dtype=dtype)

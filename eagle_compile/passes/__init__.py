@@ -2,8 +2,8 @@
 
 Each pass is `(gm, ctx) -> gm` and records how many sites it rewrote (or verified) in `ctx.counts`.
 
-* `PASSES` run on a target program (prefill chunks and verification in the unlowered loop): they expose the
-  feature taps as extra outputs.
+* `PASSES` run on a target program (prefill chunks, the plain step and verification in the unlowered loop):
+  they expose the feature taps as extra outputs and make attention read only the live cache slots.
 * `STEP_PASSES` run on the captured speculative-step program (draft -> verify -> accept -> commit in one
   graph): they resolve the taps inside the graph, check the caches are static, and lower attention.
 """
@@ -25,7 +25,7 @@ from eagle_compile.passes.tree_attention import tree_attention
 Pass = Callable[[torch.fx.GraphModule, PassContext], torch.fx.GraphModule]
 
 #: The target-program pipeline, in order.
-PASSES: tuple[Pass, ...] = (locate_layers, tap_features)
+PASSES: tuple[Pass, ...] = (locate_layers, tap_features, tree_attention)
 
 #: The speculative-step pipeline, in order.
 STEP_PASSES: tuple[Pass, ...] = (locate_layers, tap_features, static_kv, draft_subgraph, accept_subgraph,

@@ -28,6 +28,7 @@ class PassContext:
     step_examples: Any = None   # runtime.step_program.StepExamples when the graph is a step program
     use_kernels: bool = True    # whether passes may swap traced code for eagle31 fused ops
     kernels_reason: str = ""
+    kernels: str = "auto"       # the `kernels` option: "off" also keeps attention over the dense mask
 
     @property
     def num_layers(self) -> int:

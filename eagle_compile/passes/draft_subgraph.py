@@ -9,7 +9,7 @@ fc_norm -> concat -> fc, then the midlayer) and one forward per expanded tree le
 * lm_head + log-softmax + top-k + d2t                              ->  `eagle31::draft_topk`
   (the full draft-vocabulary logits are never materialised by the Triton kernel).
 
-The midlayer's attention is lowered by the `tree_attention` pass. A head with `norm_before_fc` (one norm over
+The midlayer calls `eagle31::tree_attention` itself (live slots only). A head with `norm_before_fc` (one norm over
 the whole concat) has no fused kernel: its fuse is left as traced and the count says 0.
 """
 

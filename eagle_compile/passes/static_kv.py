@@ -1,16 +1,17 @@
 """static_kv: check that every KV-cache write in the graph is a slot-indexed in-place write to a static buffer.
 
 A step program must have fixed shapes and fixed addresses (CUDA graphs replay pointers): the caches are
-preallocated placeholders and every write is `scatter_` at explicit slots (`runtime/kv_cache.py`, the draft
-head's KV). A cache that grows by concatenation (HF DynamicCache) would allocate every step and change
-shapes: it is refused here with an error naming the fix. The pass rewrites nothing; its count is the number of
-verified in-place cache writes.
+preallocated placeholders and every write is `eagle31::kv_write` (or a `scatter_`) at explicit slots
+(`runtime/kv_cache.py`, the draft head's KV). A cache that grows by concatenation (HF DynamicCache) would
+allocate every step and change shapes: it is refused here with an error naming the fix. The pass rewrites
+nothing; its count is the number of verified in-place cache writes.
 """
 
 from __future__ import annotations
 
 import torch
 
+import eagle_compile.kernels.kv_write  # noqa: F401  (registers torch.ops.eagle31.kv_write)
 from eagle_compile.errors import UnsupportedModelError
 from eagle_compile.passes.context import PassContext
 
@@ -24,6 +25,9 @@ def static_kv(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModul
         target = _method_name(node)
         if target in _INPLACE_WRITES and node.args and node.args[0] in caches:
             writes += 1
+        elif node.op == "call_function" and node.target in (torch.ops.eagle31.kv_write,
+                                                             torch.ops.eagle31.kv_write.default):
+            writes += sum(1 for buf in node.args[:2] if buf in caches)
         elif node.op == "call_function" and node.target is torch.cat:
             tensors = node.args[0] if node.args else []
             if any(t in caches for t in tensors if isinstance(t, torch.fx.Node)):

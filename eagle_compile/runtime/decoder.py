@@ -1,4 +1,4 @@
-"""The speculative decoding host loop: prefill, then draft -> verify -> accept -> commit until every row stops.
+"""The decoding host loop: prefill, then draft -> verify -> accept -> commit (or plain steps) until every row stops.
 
 Per row the invariant between cycles is: the sequence has n tokens, the last one (the root) is emitted but not
 yet processed by the target, so the target cache holds slots 0..n-2 and the draft cache holds the catch-up
@@ -11,7 +11,12 @@ pairs (feature at p, token p+1) for p = 0..n-2 (EAGLE31_SPEC.md §4.1). One cycl
     catch-up: draft(features of path nodes, emitted tokens) at positions n-1..n-1+a   # re-sync from target
     n += a + 1
 
+With `speculate=False` a cycle is one plain step (`runtime/plain_step.py`) and nothing of the draft runs.
 The host reads only `accept_len` and the emitted tokens once per cycle (to apply stops).
+
+Prefill (`_prefill`) covers the longest prompt with chunks from a small menu of static sizes (`prefill_plan`),
+each one causal block over the live slots; the draft's catch-up over the prompt runs per chunk, as a block of
+the same size, right after the target's chunk that produced its features.
 """
 
 from __future__ import annotations
@@ -25,10 +30,12 @@ import torch
 from eagle_compile.capture_indices import default_capture_indices
 from eagle_compile.draft.drafter import Drafter
 from eagle_compile.draft.tree import TreeShape
+from eagle_compile.lowering import lowering_for
 from eagle_compile.options import EagleOptions
 from eagle_compile.runtime.cuda_graphs import BucketBuffers, CudaGraphRuntime, GraphedStep
 from eagle_compile.runtime.kv_cache import SlotKVCache
-from eagle_compile.runtime.masks import causal_mask
+from eagle_compile.runtime.masks import SlotMask
+from eagle_compile.runtime.plain_step import PlainStep
 from eagle_compile.runtime.sampling import SamplingParams, target_probs
 from eagle_compile.runtime.stats import GenerationStats
 from eagle_compile.runtime.step import SpeculativeStep, StepState, catch_up, traced_target_forward
@@ -37,32 +44,69 @@ from eagle_compile.runtime.stopping import StopChecker
 from eagle_compile.runtime.target_program import TargetProgram
 from eagle_compile.runtime.verify import draw_uniforms
 
+#: the smallest prefill chunk; chunk sizes are prefill_chunk, prefill_chunk // 4, ... down to this
+MIN_PREFILL_CHUNK = 16
+
+
+def prefill_chunk_sizes(largest: int) -> tuple[int, ...]:
+    """The static chunk sizes a prefill may use, largest first (at most log4(largest / 16) + 1 of them)."""
+    sizes = [largest]
+    while sizes[-1] // 4 >= MIN_PREFILL_CHUNK:
+        sizes.append(sizes[-1] // 4)
+    return tuple(sizes)
+
+
+def prefill_plan(length: int, largest: int) -> list[tuple[int, int]]:
+    """(start, size) chunks covering `length` prompt positions: the largest size that fits the rest, then
+    smaller ones; the last chunk is padded (less than the smallest size is wasted).
+
+    >>> prefill_plan(600, 512)
+    [(0, 512), (512, 32), (544, 32), (576, 32)]
+    """
+    sizes = prefill_chunk_sizes(largest)
+    plan, start = [], 0
+    while start < length:
+        rest = length - start
+        size = next((s for s in sizes if s <= rest), sizes[-1])
+        plan.append((start, size))
+        start += size
+    return plan
+
 
 class SpeculativeDecoder:
-    """Owns the captured target program of one target model and runs speculative generation with a drafter."""
+    """Owns the captured programs of one target model and runs speculative (or plain) generation."""
 
-    def __init__(self, model: torch.nn.Module, drafter: Drafter, options: EagleOptions,
-                 capture_indices: tuple[int, ...] | None) -> None:
+    def __init__(self, model: torch.nn.Module, drafter: Drafter | None, options: EagleOptions,
+                 capture_indices: tuple[int, ...] | None, shape: TreeShape | None = None,
+                 tree_source: str = "options") -> None:
         self.model = model
         self.drafter = drafter
         self.options = options
-        self.shape = TreeShape(options.tree_depth, options.tree_top_k, options.tree_tokens)
+        self.speculate = options.speculate
+        if self.speculate and drafter is None:
+            raise ValueError("speculative decoding needs a drafter (or options speculate=False)")
+        self.shape = shape or TreeShape(options.tree_depth, options.tree_top_k, options.tree_tokens)
+        self.tree_source = tree_source
         num_layers = model.config.get_text_config().num_hidden_layers
         self.capture_indices = capture_indices or default_capture_indices(num_layers)
-        self.program = TargetProgram(model, self.capture_indices, inner_backend=options.inner_backend,
-                                     recompile_limit=4 * len(options.batch_buckets) + 8)
+        param = next(model.parameters())
+        self.lowering = lowering_for(options.inner_backend, options.inductor_config, param.device, param.dtype)
+        self.program = TargetProgram(model, self.capture_indices, lowering=self.lowering,
+                                     recompile_limit=8 * len(options.batch_buckets) + 8)
         self._steps: dict = {}
         self.timings: dict[str, float] = {}      # draft / verify / accept seconds of the eager step, cumulative
         self._bucket_buffers: dict[tuple[int, int], BucketBuffers] = {}
         self._warned: set[str] = set()
         self.graph_runtime = CudaGraphRuntime()   # the CUDA graph API; tests put a host stand-in here
 
-    def _step(self, sampling: SamplingParams) -> SpeculativeStep | StepProgram:
+    def _step(self, sampling: SamplingParams) -> SpeculativeStep | StepProgram | PlainStep:
         if sampling not in self._steps:
             self._steps[sampling] = self._build_step(sampling)
         return self._steps[sampling]
 
-    def _build_step(self, sampling: SamplingParams) -> SpeculativeStep | StepProgram:
+    def _build_step(self, sampling: SamplingParams) -> SpeculativeStep | StepProgram | PlainStep:
+        if not self.speculate:
+            return PlainStep(sampling, self.program)
         if not self.options.step_program:
             return SpeculativeStep(self.drafter, self.shape, sampling, self.program, timings=self.timings)
         config = self.model.config.get_text_config()
@@ -70,7 +114,7 @@ class SpeculativeDecoder:
         step = SpeculativeStep(self.drafter, self.shape, sampling, traced_target_forward(self.model, width))
         return StepProgram(step, self.capture_indices, type(self.model).__name__, feature_width=width,
                            vocab_size=self.model.get_output_embeddings().out_features,
-                           inner_backend=self.options.inner_backend, kernels=self.options.kernels,
+                           lowering=self.lowering, kernels=self.options.kernels,
                            recompile_limit=2 * len(self.options.batch_buckets) + 8)
 
     @property
@@ -83,8 +127,8 @@ class SpeculativeDecoder:
     @torch.no_grad()
     def generate(self, prompts: list[torch.Tensor], stopper: StopChecker, sampling: SamplingParams,
                  generator: torch.Generator | None = None) -> GenerationStats:
-        stats = GenerationStats(tree={"depth": self.shape.depth, "top_k": self.shape.top_k,
-                                      "total_tokens": self.shape.total_tokens})
+        stats = GenerationStats(tree=self._tree_stats(), lowering=self.lowering.describe(),
+                                speculate=self.speculate)
         real = len(prompts)
         batch = self._bucket(real)
         prompts = prompts + [prompts[0][:1]] * (batch - real)
@@ -111,13 +155,21 @@ class SpeculativeDecoder:
         for phase, seconds in self.timings.items():
             setattr(stats, f"{phase}_time", seconds - timings_before.get(phase, 0.0))
         stats.graphs_captured = self.graphs_captured
+        stats.compile_time = sum(self.lowering.compile_seconds)
         return stats
+
+    def _tree_stats(self) -> dict:
+        if not self.speculate:
+            return {"speculate": False}
+        return {"depth": self.shape.depth, "top_k": self.shape.top_k, "total_tokens": self.shape.total_tokens,
+                "source": self.tree_source}
 
     # -- setup -----------------------------------------------------------------------------------------------
     def _caches(self, batch: int, slots: int, device) -> tuple[SlotKVCache, object]:
         dtype = next(self.model.parameters()).dtype
         cache = SlotKVCache(self.model.config, batch, slots, dtype=dtype, device=device)
-        return cache, self.drafter.new_state(batch, slots, dtype=dtype, device=device)
+        draft_kv = self.drafter.new_state(batch, slots, dtype=dtype, device=device) if self.speculate else None
+        return cache, draft_kv
 
     def _graphed(self, sampling: SamplingParams, device: torch.device, stats) -> GraphedStep | None:
         if not self.options.cudagraphs:
@@ -139,7 +191,8 @@ class SpeculativeDecoder:
         key = (batch, slots)
         if key not in self._bucket_buffers:
             cache, draft_kv = self._caches(batch, slots, device)
-            uniforms, final = draw_uniforms(batch, self.shape.depth, self.shape.top_k, device=device)
+            depth, top_k = (self.shape.depth, self.shape.top_k) if self.speculate else (0, 0)
+            uniforms, final = draw_uniforms(batch, depth, top_k, device=device)
             self._bucket_buffers[key] = BucketBuffers(None, cache, draft_kv, uniforms, final)
         return self._bucket_buffers[key]
 
@@ -152,18 +205,13 @@ class SpeculativeDecoder:
 
     def _slots(self, prompts: list[torch.Tensor], max_new: int) -> int:
         """Static cache slots (target and draft caches alike), sentinel included."""
-        longest = max(len(p) for p in prompts)
-        chunk = self.options.prefill_chunk
-        prefill_span = math.ceil(longest / chunk) * chunk
-        # committed <= longest + max_new; a cycle writes M tree slots (target) or (D-1)*K tree slots and D+1
-        # catch-up slots (draft) past it; +1 sentinel.
-        # a row that stops mid-cycle may still advance by depth + 1 before it is frozen
-        need = max(prefill_span, longest + max_new + self.shape.depth + 1
-                   + max(self.shape.total_tokens, self.shape.tree_slots, self.shape.depth + 1)) + 2
+        need = cache_slots_needed(max(len(p) for p in prompts), max_new, self.options.prefill_chunk,
+                                  self.shape if self.speculate else None)
         if self.options.max_cache_len is not None:
             if self.options.max_cache_len < need:
                 raise ValueError(f"max_cache_len={self.options.max_cache_len} is too small for a prompt of "
-                                 f"{longest} tokens + {max_new} new tokens + a tree of {self.shape.total_tokens}: "
+                                 f"{max(len(p) for p in prompts)} tokens + {max_new} new tokens"
+                                 f"{'' if not self.speculate else f' + a tree of {self.shape.total_tokens}'}: "
                                  f"need {need}")
             return self.options.max_cache_len
         mult = self.options.cache_len_multiple
@@ -171,49 +219,55 @@ class SpeculativeDecoder:
 
     # -- prefill ---------------------------------------------------------------------------------------------
     def _prefill(self, prompts, cache, draft_kv, sampling, generator, stopper, active) -> StepState:
-        """Chunked prefill through the captured program, first token, then the draft's catch-up over the prompt."""
-        batch, chunk = len(prompts), self.options.prefill_chunk
-        device = prompts[0].device
+        """Chunked prefill through the captured program (each chunk a causal block over the live slots), the
+        draft's catch-up over each chunk right after it, the first token, then the catch-up of each row's last
+        prompt position (whose next token is that first token)."""
+        batch, device = len(prompts), prompts[0].device
         lengths = torch.tensor([len(p) for p in prompts], device=device)
-        span = math.ceil(int(lengths.max()) / chunk) * chunk
-        tokens = torch.zeros(batch, span, dtype=torch.long, device=device)
+        last = lengths - 1                                                # [B] each row's last prompt position
+        plan = prefill_plan(int(lengths.max()), self.options.prefill_chunk)
+        span = plan[-1][0] + plan[-1][1]
+        tokens = torch.zeros(batch, span + 1, dtype=torch.long, device=device)
         for b, p in enumerate(prompts):
             tokens[b, :len(p)] = p
-        # [n_chunks, B, chunk]: every chunk has the same (contiguous) strides whatever the prompt length, so
-        # dynamo's stride guards do not recapture the program for new lengths (a slice of `tokens` would).
-        # (`.contiguous()` keeps odd strides on size-1 dims, so copy into a freshly laid-out buffer.)
-        chunks = torch.empty(span // chunk, batch, chunk, dtype=tokens.dtype, device=device)
-        chunks.copy_(tokens.view(batch, span // chunk, chunk).transpose(0, 1))
-        feats, last_logits = [], None
-        last = lengths - 1
-        for start in range(0, span, chunk):
-            pos = torch.arange(start, start + chunk, device=device).expand(batch, chunk)
+        last_logits = last_feats = None
+        for start, size in plan:
+            pos = torch.arange(start, start + size, device=device).expand(batch, size)
             real = pos < lengths[:, None]
-            mask = causal_mask(pos, real, cache.slots, cache.layers[0].keys.dtype)
             write = torch.where(real, pos, cache.sentinel)
-            idx = (last - start).clamp(0, chunk - 1)[:, None]            # [B, 1]: each row's last prompt token
-            logits, f = self.program(chunks[start // chunk], torch.where(real, pos, 0), mask, write, cache, idx)
-            feats.append(f)
+            idx = (last - start).clamp(0, size - 1)[:, None]             # [B, 1]: each row's last prompt token
+            # a freshly laid-out [B, size] chunk: every chunk of one size has the same strides, so dynamo's
+            # stride guards do not recapture the program for new prompt lengths (a slice of `tokens` would)
+            chunk = torch.empty(batch, size, dtype=tokens.dtype, device=device)
+            chunk.copy_(tokens[:, start:start + size])
+            logits, feats = self.program(chunk, torch.where(real, pos, 0),
+                                         SlotMask.causal(torch.full((batch,), start, device=device), cache.slots),
+                                         write, cache, idx)
+            here = ((last >= start) & (last < start + size))[:, None]
             picked = logits[:, 0].float()                                # [B, V]: logits at those positions only
-            here = ((last >= start) & (last < start + chunk))[:, None]
             last_logits = picked if last_logits is None else torch.where(here, picked, last_logits)
+            at_last = feats.gather(1, idx[:, :, None].expand(-1, 1, feats.shape[-1]))[:, 0]
+            last_feats = at_last if last_feats is None else torch.where(here, at_last, last_feats)
+            if self.speculate:                                           # pairs (feature p, token p+1), p < last
+                catch_up(self.drafter, draft_kv, cache.slots, feats, tokens[:, start + 1:start + size + 1],
+                         torch.full_like(lengths, start), torch.minimum(last - 1, pos[:, -1]))
         first = self._sample_one(last_logits, sampling, generator)      # [B]
         for b in range(len(stopper.generated)):
             if bool(active[b]):
                 stopper.extend(b, [int(first[b])])
-        features = torch.cat(feats, 1)                                   # [B, span, A*Ht]
-        next_tokens = torch.cat([tokens[:, 1:], tokens[:, :1]], 1)
-        next_tokens[torch.arange(batch), lengths - 1] = first
-        seed_fb, seed_head = catch_up(self.drafter, draft_kv, cache.slots, features, next_tokens,
-                                      torch.zeros_like(lengths), lengths - 1, chunk=chunk)
+        seed_fb = seed_head = torch.zeros(batch, 0, dtype=last_feats.dtype, device=device)
+        if self.speculate:                                               # the pair (feature at last, first token)
+            seed_fb, seed_head = catch_up(self.drafter, draft_kv, cache.slots, last_feats[:, None], first[:, None],
+                                          last, last)
         return StepState(n=lengths + 1, root=first, seed_feedback=seed_fb, seed_head=seed_head,
                          active=torch.zeros_like(lengths, dtype=torch.bool))
 
     # -- one cycle -------------------------------------------------------------------------------------------
     def _cycle(self, state: StepState, cache, draft_kv, sampling, generator, stopper, active, stats, buffers):
         t0 = time.perf_counter()
-        uniforms, final_uniform = draw_uniforms(state.n.shape[0], self.shape.depth, self.shape.top_k,
-                                                generator=generator, device=state.n.device)
+        depth, top_k = (self.shape.depth, self.shape.top_k) if self.speculate else (0, 0)
+        uniforms, final_uniform = draw_uniforms(state.n.shape[0], depth, top_k, generator=generator,
+                                                device=state.n.device)
         state.active.copy_(active)
         if buffers is not None:
             out = self._steps[("graphed", sampling)](buffers, uniforms, final_uniform)
@@ -235,3 +289,17 @@ class SpeculativeDecoder:
             return logits.argmax(-1)
         probs = target_probs(logits, sampling)
         return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def cache_slots_needed(longest: int, max_new: int, prefill_chunk: int, shape: TreeShape | None) -> int:
+    """Cache slots a call needs before rounding: the prefill's padded span, or the committed tokens plus what a
+    cycle writes past them (`shape` None: plain steps, one token), plus the sentinel."""
+    plan = prefill_plan(longest, prefill_chunk)
+    prefill_span = plan[-1][0] + plan[-1][1]
+    if shape is None:
+        return max(prefill_span, longest + max_new + 1) + 2
+    # committed <= longest + max_new; a cycle writes M tree slots (target) or (D-1)*K tree slots and D+1
+    # catch-up slots (draft) past it; a row that stops mid-cycle may still advance by depth + 1 before it is
+    # frozen; +1 sentinel.
+    return max(prefill_span, longest + max_new + shape.depth + 1
+               + max(shape.total_tokens, shape.tree_slots, shape.depth + 1)) + 2

@@ -35,6 +35,8 @@ from transformers.generation import (
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from eagle_compile.draft.drafter import Drafter, EagleDrafter
+from eagle_compile.draft.tree import TreeShape
+from eagle_compile.draft.tree_file import head_tree
 from eagle_compile.errors import UnsupportedGenerationError
 from eagle_compile.options import EagleOptions, parse_options
 from eagle_compile.runtime.decoder import SpeculativeDecoder
@@ -166,21 +168,37 @@ def _stopper(model, prompts, padded_len, gc: GenerationConfig, stopping_criteria
 
 # -- draft and decoder ------------------------------------------------------------------------------------------
 def _decoder(model, draft, opts: EagleOptions) -> SpeculativeDecoder:
-    if draft is None:
+    if draft is None and opts.speculate:
         raise UnsupportedGenerationError(
             "no draft head: pass draft= (an EAGLE-3/3.1 checkpoint folder or EagleDraftModel) or "
-            "options={'draft': ...}"
+            "options={'draft': ...}; or options={'speculate': False} for plain decoding"
         )
     per_model = _decoders.setdefault(model, {})
     key = (_draft_key(draft), tuple(sorted((k, repr(v)) for k, v in opts.as_dict().items() if k != "draft")))
     if key not in per_model:
-        drafter, indices = _drafter(model, draft)
-        per_model[key] = SpeculativeDecoder(model, drafter, opts, indices)
+        drafter, indices = _drafter(model, draft) if draft is not None else (None, None)
+        shape, source = _tree_shape(model, draft, opts)
+        per_model[key] = SpeculativeDecoder(model, drafter, opts, indices, shape, source)
     return per_model[key]
 
 
 def _draft_key(draft) -> Any:
     return str(Path(draft).resolve()) if isinstance(draft, (str, Path)) else id(draft)
+
+
+def _tree_shape(model, draft, opts: EagleOptions) -> tuple[TreeShape, str]:
+    """The tree shape and where it came from: the options' tree keys, else the tree.json beside the head when
+    it was chosen for this device kind and dtype, else the official EAGLE defaults."""
+    if opts.tree_given:
+        return TreeShape(opts.tree_depth, opts.tree_top_k, opts.tree_tokens), "options"
+    param = next(model.parameters())
+    folder = Path(draft) if isinstance(draft, (str, Path)) else getattr(draft, "source_dir", None)
+    tree, why = head_tree(folder, param.device, param.dtype)
+    if tree is None:
+        return (TreeShape(opts.tree_depth, opts.tree_top_k, opts.tree_tokens),
+                f"EAGLE defaults (no tree key in the options; {why})")
+    chosen = opts.replace(**tree)
+    return TreeShape(chosen.tree_depth, chosen.tree_top_k, chosen.tree_tokens), why
 
 
 def _drafter(model, draft) -> tuple[Drafter, tuple[int, ...] | None]:

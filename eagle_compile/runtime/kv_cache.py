@@ -3,15 +3,19 @@
 HF's StaticCache writes every row at one shared `cumulative_length`; speculative decoding needs rows that
 advance by different amounts each cycle and tree tokens that land in temporary slots before the accepted path
 is compacted. `SlotKVCache` keeps the HF `Cache` interface (so the unmodified HF model runs on it and dynamo
-captures it as in-place `scatter_` on static buffers) but each layer's `update` scatters the new K/V to
-`write_slots [B, T]`, passed through the model's forward kwargs, and returns the whole buffer; the additive mask
-decides what each query sees. Slot == RoPE position of the token in its row; slot `S - 1` is the sentinel.
+captures it as an in-place write to static buffers) but each layer's `update` writes the new K/V to
+`write_slots [B, T]`, passed through the model's forward kwargs, with `eagle31::kv_write` (in place through
+every lowering), and returns the whole buffer; the mask (`runtime/masks.py`) decides what each query sees and
+the attention op reads only the live slots. Slot == RoPE position of the token in its row; slot `S - 1` is the
+sentinel.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers.cache_utils import Cache, StaticLayer
+
+import eagle_compile.kernels.kv_write  # noqa: F401  (registers torch.ops.eagle31.kv_write)
 
 
 class SlotLayer(StaticLayer):
@@ -27,10 +31,7 @@ class SlotLayer(StaticLayer):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        slots = _write_slots(kwargs)  # [B, T]
-        index = slots[:, None, :, None].expand_as(key_states)
-        self.keys.scatter_(2, index, key_states)
-        self.values.scatter_(2, index, value_states)
+        torch.ops.eagle31.kv_write(self.keys, self.values, _write_slots(kwargs), key_states, value_states)
         return self.keys, self.values
 
 

@@ -1,45 +1,49 @@
-"""Additive attention masks over static caches (0 = attend, -inf = blocked), `[B, 1, T, S]`.
+"""Which cache slots the queries of one forward see: `SlotMask` (docs/INTERNALS.md "KV caches").
 
-Rows are independent and slot == position. A padded query (a chunk's tail, a row past its accepted length)
-attends to slot 0 only, which every row fills in its first prefill chunk, so no query row is ever fully masked
-(SDPA would return 0 and eager attention NaN, COMPILE_FACTS.md §3); its own writes go to the sentinel slot.
+Rows are independent and slot == position. Every forward over a static cache — a prefill chunk, a one-token
+step, a verify tree, a draft tree level, the draft's catch-up — writes a block of T new tokens into the slots
+that start at `base[b]`, and its queries see the committed prefix (slots < base) plus block slots chosen by a
+small `local [B, T, W]` mask (tree ancestors and self), or causally (`local=None`). That description, not a
+dense `[B, 1, T, S]` mask, is what crosses the runtime: the attention op reads only the live slots
+(`eagle_compile/kernels/tree_attention.py`), and the dense mask exists only inside a captured program, for
+the HF model, until the `tree_attention` pass removes it.
+
+Padded queries (a chunk's tail, inactive rows) keep whatever the description gives them: every query sees at
+least its own slot or the prefix, so no query row is fully masked; their outputs are never used and their
+writes go to the sentinel slot, which no query ever sees (slot S - 1, beyond every block).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-
-def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """bool (True = attend) -> float mask: 0 where visible, -inf elsewhere."""
-    zero = torch.zeros((), dtype=dtype, device=visible.device)
-    return torch.where(visible, zero, torch.tensor(float("-inf"), dtype=dtype, device=visible.device))
+from eagle_compile.kernels.tree_attention import visible_slots
 
 
-def causal_mask(positions: torch.Tensor, real: torch.Tensor, slots: int, dtype: torch.dtype) -> torch.Tensor:
-    """Query at position p sees slots 0..p; padded queries see slot 0.
+@dataclass(frozen=True)
+class SlotMask:
+    """Query i of row b sees slots `< base[b]` and slot `base[b] + j` when `local[b, i, j]` (None: j <= i)."""
 
-    Args:
-        positions: [B, T] position (= slot) of each query. real: [B, T] bool, False for padding.
-    """
-    s = torch.arange(slots, device=positions.device)
-    visible = s[None, None, :] <= positions[:, :, None]                      # [B, T, S]
-    visible = torch.where(real[:, :, None], visible, s[None, None, :] == 0)
-    return additive_mask(visible[:, None], dtype)
+    base: torch.Tensor            # [B] int64: first slot of the block
+    local: torch.Tensor | None    # [B, T, W] bool over the block's slots, or None (causal block)
+    slots: int                    # S of the cache the mask is for
 
+    @classmethod
+    def causal(cls, base: torch.Tensor, slots: int) -> SlotMask:
+        """A causal block (prefill chunk, one-token step, catch-up) starting at `base` [B]."""
+        return cls(base.to(torch.int64), None, slots)
 
-def tree_mask(ancestors: torch.Tensor, base: torch.Tensor, slots: int, dtype: torch.dtype) -> torch.Tensor:
-    """Tree attention: query i sees the committed prefix (slots < base) and tree slots base + j where
-    `ancestors[b, i, j]` (its ancestors and itself). Used for target verification (queries = tree nodes) and
-    for draft tree levels (queries = frontier nodes, columns = tree slots of the expanded levels).
+    @classmethod
+    def tree(cls, ancestors: torch.Tensor, base: torch.Tensor, slots: int) -> SlotMask:
+        """Tree queries: `ancestors [B, Q, W]` bool over the W block slots that start at `base` [B]."""
+        return cls(base.to(torch.int64), ancestors, slots)
 
-    Args:
-        ancestors: [B, Q, T] bool over the T tree slots that start at `base`.
-        base: [B] first tree slot of each row.
-    """
-    B, Q, T = ancestors.shape
-    s = torch.arange(slots, device=base.device)
-    visible = (s[None, :] < base[:, None])[:, None, :].expand(B, Q, slots).clone()
-    cols = (base[:, None] + torch.arange(T, device=base.device))[:, None, :].expand(B, Q, T)
-    visible.scatter_(2, cols, ancestors)
-    return additive_mask(visible[:, None], dtype)
+    def dense(self, tokens: int, dtype: torch.dtype) -> torch.Tensor:
+        """The same visibility as an additive `[B, 1, T, S]` mask (0 = attend, -inf = blocked)."""
+        return torch.ops.eagle31.slot_mask(self.base, self.local, tokens, self.slots, dtype)
+
+    def visible(self, tokens: int) -> torch.Tensor:
+        """[B, T, S] bool."""
+        return visible_slots(self.base, self.local, tokens, self.slots)

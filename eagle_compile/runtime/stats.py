@@ -12,7 +12,9 @@ class GenerationStats:
     cut a block. `tau` is their mean. Times are wall-clock seconds measured on the host around device work that
     ends in a host read (the per-cycle read of the accepted tokens), so they are complete on CUDA too."""
 
-    tree: dict = field(default_factory=dict)
+    tree: dict = field(default_factory=dict)          # shape and where it came from ("source")
+    speculate: bool = True                            # False: plain decoding (one target forward per token)
+    lowering: str = ""                                # how the programs ran (eagle_compile.lowering)
     acceptance_lengths: list[int] = field(default_factory=list)
     cycles: int = 0
     prefill_time: float = 0.0
@@ -22,6 +24,7 @@ class GenerationStats:
     accept_time: float | None = None
     new_tokens: int = 0
     graphs_captured: int = 0
+    compile_time: float = 0.0                         # inductor seconds so far (all calls of this decoder)
     cuda_graph_replays: int = 0
     notes: list[str] = field(default_factory=list)
 
@@ -37,5 +40,6 @@ class GenerationStats:
         return {"tau": self.tau, "histogram": self.histogram, "cycles": self.cycles, "new_tokens": self.new_tokens,
                 "prefill_time": self.prefill_time, "step_time": self.step_time, "draft_time": self.draft_time,
                 "verify_time": self.verify_time, "accept_time": self.accept_time, "tree": self.tree,
-                "graphs_captured": self.graphs_captured, "cuda_graph_replays": self.cuda_graph_replays,
+                "speculate": self.speculate, "lowering": self.lowering, "graphs_captured": self.graphs_captured,
+                "compile_time": self.compile_time, "cuda_graph_replays": self.cuda_graph_replays,
                 "notes": self.notes}

@@ -20,7 +20,7 @@ import torch
 
 from eagle_compile.draft.drafter import Drafter
 from eagle_compile.draft.tree import TreeShape, build_tree
-from eagle_compile.runtime.masks import causal_mask, tree_mask
+from eagle_compile.runtime.masks import SlotMask
 from eagle_compile.runtime.sampling import SamplingParams, target_probs
 from eagle_compile.runtime.verify import verify_greedy, verify_sample
 
@@ -60,7 +60,8 @@ def traced_target_forward(model: torch.nn.Module, feature_width: int) -> TargetF
     """Target forward for tracing into a step program: logits from the model, features from `feature_taps`."""
 
     def forward(tokens, positions, mask, write_slots, cache):
-        logits = model(input_ids=tokens, position_ids=positions, attention_mask=mask, cache=cache,
+        dense = mask.dense(tokens.shape[1], cache.layers[0].keys.dtype)     # removed by the tree_attention pass
+        logits = model(input_ids=tokens, position_ids=positions, attention_mask=dense, cache=cache,
                        write_slots=write_slots, use_cache=True).logits
         return logits, feature_taps(logits, feature_width)
 
@@ -101,7 +102,7 @@ class SpeculativeStep:
         positions = base[:, None] + tree.depth
         nodes = torch.arange(shape.total_tokens, device=base.device)
         write = torch.where(active[:, None], base[:, None] + nodes, cache.slots - 1)   # inactive: sentinel only
-        mask = tree_mask(tree.ancestors, base, cache.slots, cache.layers[0].keys.dtype)
+        mask = SlotMask.tree(tree.ancestors, base, cache.slots)
         logits, feats = self.target_forward(tree.tokens, positions, mask, write, cache)
         t = self._mark("verify", t)
         acc = self._verify(tree, logits.float(), uniforms, final_uniform)
@@ -143,7 +144,7 @@ def catch_up(drafter: Drafter, draft_kv, d_slots: int, features: torch.Tensor, t
         cols = torch.arange(start, min(start + chunk, span), device=tokens.device)
         pos = base[:, None] + cols
         real = pos <= last[:, None]
-        mask = causal_mask(pos, real, d_slots, features.dtype)
+        mask = SlotMask.causal(base + start, d_slots)
         write = torch.where(real, pos, d_slots - 1)
         fb, head = drafter.forward(draft_kv, features[:, start:start + len(cols)], tokens[:, start:start + len(cols)],
                                    torch.where(real, pos, 0), write, mask, fuse=True)

@@ -5,7 +5,7 @@ included, into one FX graph per static shape (batch bucket, cache slots); `fullg
 that the cycle has no host synchronisation (any `.item()`, `.cpu()` or data-dependent shape breaks the graph
 and fails the capture). `STEP_PASSES` then resolve the feature taps, check the caches are static, swap the
 draft head's pieces, verification and KV compaction for fused eagle31 ops, and lower attention; the result
-runs as the FX graph or through inductor (`inner_backend`).
+runs as the FX graph or through inductor (the decoder's `Lowering`).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
+from eagle_compile.lowering import Lowering, eager_lowering
 from eagle_compile.passes import STEP_PASSES, PassContext, run_passes
 from eagle_compile.runtime.step import SpeculativeStep, StepState
-from eagle_compile.runtime.target_program import lower
 
 
 @dataclass
@@ -43,14 +43,14 @@ class StepProgram:
     """Callable with the signature of `SpeculativeStep.__call__`, running the captured, rewritten step."""
 
     def __init__(self, step: SpeculativeStep, capture_indices: tuple[int, ...] | None, architecture: str, *,
-                 feature_width: int, vocab_size: int, inner_backend: str = "eager", kernels: str = "auto",
+                 feature_width: int, vocab_size: int, lowering: Lowering | None = None, kernels: str = "auto",
                  recompile_limit: int = 64) -> None:
         self.step = step
         self.capture_indices = capture_indices
         self.architecture = architecture
         self.feature_width = feature_width
         self.vocab_size = vocab_size
-        self.inner_backend = inner_backend
+        self.lowering = lowering or eager_lowering()
         self.kernels = kernels
         self.contexts: list[PassContext] = []
         self._args: tuple | None = None
@@ -62,15 +62,16 @@ class StepProgram:
         use, reason = use_kernels(self.kernels, state.n.device)
         ctx = PassContext(capture_indices=self.capture_indices, architecture=self.architecture,
                           step_examples=self._make_examples(state, cache, uniforms), use_kernels=use,
-                          kernels_reason=reason)
+                          kernels=self.kernels, kernels_reason=reason)
         gm = run_passes(gm, ctx, STEP_PASSES)
         self.contexts.append(ctx)
-        return lower(gm, example_inputs, self.inner_backend)
+        return self.lowering.compile(gm, example_inputs, ctx)
 
     def __call__(self, state: StepState, cache, draft_kv, uniforms, final_uniform):
         self._args = (state, cache, uniforms)      # read only if this call (re)captures the graph
         try:
-            return self._compiled(state, cache, draft_kv, uniforms, final_uniform)
+            with self.lowering.tracing():
+                return self._compiled(state, cache, draft_kv, uniforms, final_uniform)
         finally:
             self._args = None
 

@@ -1,9 +1,12 @@
 """The target's forward on a `SlotKVCache`, captured by dynamo and rewritten by the eagle31 passes.
 
-This is what verification (and chunked prefill) runs: not the eager model with hooks, but the captured FX graph
-of `model(input_ids, position_ids, 4-D mask, cache=SlotKVCache, write_slots)` after `locate_layers` and
-`tap_features` made the capture-index residual streams extra outputs (COMPILE_FACTS.md §2.7: fullgraph,
-dynamic=False, one graph per static (batch, tokens, slots) shape).
+This is what verification, chunked prefill and the plain step run: not the eager model with hooks, but the
+captured FX graph of `model(input_ids, position_ids, 4-D mask, cache=SlotKVCache, write_slots)` after
+`locate_layers` and `tap_features` made the capture-index residual streams extra outputs and `tree_attention`
+replaced attention over the dense mask with attention over the live slots (COMPILE_FACTS.md §2.7: fullgraph,
+dynamic=False, one graph per static (batch, tokens, slots) shape). The program takes the mask as a `SlotMask`
+(base, local); the dense 4-D mask the HF model is handed is built inside the graph by `eagle31::slot_mask` and
+is dead code once the pass has run.
 
 Dynamo's generated code expects the graph's original outputs; the lowered callable returns those and hands the
 tap outputs to the program through `_last_taps`, which `__call__` collects right after the run.
@@ -15,12 +18,14 @@ from collections.abc import Callable
 
 import torch
 
+from eagle_compile.lowering import Lowering, eager_lowering
 from eagle_compile.passes import PassContext, run_passes
 from eagle_compile.runtime.kv_cache import SlotKVCache
+from eagle_compile.runtime.masks import SlotMask
 
 
 class TargetProgram:
-    """Callable `(input_ids, position_ids, mask, write_slots, cache[, keep]) -> (logits, features [B,T,A*Ht])`.
+    """Callable `(input_ids, position_ids, SlotMask, write_slots, cache[, keep]) -> (logits, features [B,T,A*Ht])`.
 
     Logits are `[B, T, V]`, or with `keep` (`[B, K]` int64 positions per row, HF's ``logits_to_keep``)
     `[B, K, V]`: only those positions go through the lm_head. Prefill needs one position a row, and the lm_head
@@ -29,17 +34,19 @@ class TargetProgram:
     """
 
     def __init__(self, model: torch.nn.Module, capture_indices: tuple[int, ...] | None, *,
-                 inner_backend: str = "eager", recompile_limit: int = 64) -> None:
+                 lowering: Lowering | None = None, recompile_limit: int = 64) -> None:
         self.model = model
         self.capture_indices = capture_indices
-        self.inner_backend = inner_backend
+        self.lowering = lowering or eager_lowering()
         self.contexts: list[PassContext] = []
         self._last_taps: tuple[torch.Tensor, ...] | None = None
         self._compiled = torch.compile(self._forward, backend=self._backend, fullgraph=True, dynamic=False,
                                        recompile_limit=recompile_limit, isolate_recompiles=True)
 
-    def _forward(self, input_ids, position_ids, mask, write_slots, cache, keep=None):
+    def _forward(self, input_ids, position_ids, base, local, slots: int, write_slots, cache, keep=None):
         kept = {} if keep is None else {"logits_to_keep": keep}
+        dtype = cache.layers[0].keys.dtype
+        mask = torch.ops.eagle31.slot_mask(base, local, input_ids.shape[1], slots, dtype)
         out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, cache=cache,
                          write_slots=write_slots, use_cache=True, **kept)
         return out.logits
@@ -49,7 +56,7 @@ class TargetProgram:
         gm = run_passes(gm, ctx)
         self.contexts.append(ctx)
         self.capture_indices = ctx.capture_indices
-        run = lower(gm, example_inputs, self.inner_backend)
+        run = self.lowering.compile(gm, example_inputs, ctx)
         n_out = ctx.num_original_outputs
 
         def split_taps(*args):
@@ -60,11 +67,13 @@ class TargetProgram:
         return split_taps
 
     @torch.no_grad()
-    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: SlotMask,
                  write_slots: torch.Tensor, cache: SlotKVCache,
                  keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         self._last_taps = None
-        logits = self._compiled(input_ids, position_ids, mask, write_slots, cache, keep)
+        with self.lowering.tracing():
+            logits = self._compiled(input_ids, position_ids, mask.base, mask.local, mask.slots, write_slots, cache,
+                                    keep)
         taps, self._last_taps = self._last_taps, None
         if taps is None:
             raise RuntimeError("the captured target program ran without producing feature taps")
@@ -74,11 +83,3 @@ class TargetProgram:
     def graphs_captured(self) -> int:
         return len(self.contexts)
 
-
-def lower(gm: torch.fx.GraphModule, example_inputs: list, inner_backend: str) -> Callable:
-    """Run a (rewritten) graph: as the FX graph itself, or compiled by inductor."""
-    if inner_backend == "inductor":
-        from torch._inductor.compile_fx import compile_fx
-
-        return compile_fx(gm, example_inputs)
-    return gm.forward

@@ -132,7 +132,7 @@ def verify_sample(tree: DraftTreeLike, probs: torch.Tensor, uniforms: torch.Tens
     # Rows still active sit at depth D (no children tried); the others rejected every child of `node`.
     rejected = child_ok[rows, node] & ~active[:, None]
     residual = _remove_tokens(probs[rows, node], tokens.gather(1, children[rows, node]), rejected)
-    bonus = _inverse_cdf(residual, final_uniform)
+    bonus = inverse_cdf(residual, final_uniform)
     return _acceptance(tree, node, bonus)
 
 
@@ -198,7 +198,7 @@ def _accept_children(p: torch.Tensor, kid_tokens: torch.Tensor, tried: torch.Ten
     return uniforms.double() < ratio
 
 
-def _inverse_cdf(p: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+def inverse_cdf(p: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """Token `i` with probability `p[i] / sum(p)` (`p [B, V]` unnormalised, `uniform [B]` in `[0, 1)`)."""
     cdf = p.double().cumsum(dim=1)
     threshold = uniform.double() * cdf[:, -1]

@@ -25,7 +25,7 @@ from torch import nn
 from eagle_compile.capture_indices import default_capture_indices, validate_capture_indices
 from eagle_compile.errors import UnsupportedModelError
 from eagle_compile.runtime.kv_cache import SlotKVCache
-from eagle_compile.runtime.masks import causal_mask
+from eagle_compile.runtime.masks import SlotMask
 from eagle_compile.runtime.target_program import TargetProgram
 from eagle_compile.train.data import TokenBatch
 
@@ -115,7 +115,7 @@ class FeatureExtractor:
         input_ids[:real_rows], real[:real_rows] = batch.input_ids.to(device), batch.attention_mask.to(device)
         pos = torch.arange(t, device=device).expand(rows, t)
         cache = SlotKVCache(self.target.config, rows, t + 1, dtype=dtype, device=device)
-        mask = causal_mask(pos, real, t + 1, dtype)
+        mask = SlotMask.causal(torch.zeros(rows, dtype=torch.int64, device=device), t + 1)
         logits, taps = self.program(input_ids, torch.where(real, pos, 0), mask, torch.where(real, pos, t), cache)
         taps = taps[:real_rows]  # [B, T, (A or A+1)*Ht], capture order, then N unless N is a capture index
         width = len(self.capture_indices) * self.hidden_size

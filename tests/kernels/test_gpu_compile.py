@@ -99,16 +99,18 @@ def assert_no_spills(records, tmp_path):
 def test_tree_attention_compiles_without_spills(compiled, tmp_path, dtype, head_dim, tokens):
     # 32 query heads over 8 KV heads (Llama-3-8B): G*T = 4*60 packed rows; a 4096-slot static cache
     q = meta(2, 32, tokens, head_dim, dtype=dtype)
-    cache, mask = meta(2, 8, 4096, head_dim, dtype=dtype), meta(2, 1, tokens, 4096, dtype=dtype)
-    tree_attention_triton(q, cache, cache, mask, 0.125, out=q, interpret=False)
+    cache = meta(2, 8, 4096, head_dim, dtype=dtype)
+    base, local = meta(2, dtype=torch.int64), meta(2, tokens, tokens, dtype=torch.bool)
+    tree_attention_triton(q, cache, cache, base, local, 0.125, out=q, interpret=False)
     assert [name for name, _, _ in compiled] == ["_tree_attention_kernel"]
     assert_no_spills(compiled, tmp_path)
 
 
 def test_negative_control_spills_are_detected(compiled, tmp_path):
     # fp32, head dim 256, a 64 x 64 tile on 4 warps: far more live values than 255 registers per thread
-    q, cache, mask = meta(1, 32, 60, 256), meta(1, 8, 4096, 256), meta(1, 1, 60, 4096)
-    tree_attention_triton(q, cache, cache, mask, 0.125, out=q, interpret=False, block_m=64, block_n=64,
+    q, cache = meta(1, 32, 60, 256), meta(1, 8, 4096, 256)
+    base, local = meta(1, dtype=torch.int64), meta(1, 60, 60, dtype=torch.bool)
+    tree_attention_triton(q, cache, cache, base, local, 0.125, out=q, interpret=False, block_m=64, block_n=64,
                           num_warps=4)
     assert stack_bytes(compiled[0][2], tmp_path) > 0
 

@@ -16,6 +16,7 @@ from eagle_compile.kernels.accept import accept_greedy_reference, accept_sample_
 from eagle_compile.kernels.draft_topk import draft_topk_reference
 from eagle_compile.kernels.fc_norm_fuse import fc_norm_fuse_reference
 from eagle_compile.kernels.kv_compact import kv_compact_reference
+from eagle_compile.kernels.kv_write import kv_write_reference
 from eagle_compile.kernels.tree_attention import tree_attention_reference
 
 
@@ -24,14 +25,15 @@ def cases() -> dict[str, tuple]:
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 4, 3, 16, generator=g)
     k, v = torch.randn(2, 1, 2, 9, 16, generator=g)
-    mask = torch.zeros(1, 1, 3, 9)
-    mask[..., 7:] = float("-inf")
+    block_base = torch.tensor([5])
+    local = torch.tensor([[[True, False, False], [True, True, False], [True, False, True]]])
     features, norm_weight = torch.randn(4, 3 * 8, generator=g), torch.rand(3, 8, generator=g) + 0.5
     fc_weight = torch.randn(6, 24, generator=g)
     normed, lm_head = torch.randn(4, 6, generator=g), torch.randn(20, 6, generator=g)
     d2t = 2 * torch.arange(20)
     keys, values = torch.randn(2, 2, 10, 16, generator=g), torch.randn(2, 2, 10, 16, generator=g)
     base, path = torch.tensor([1, 3]), torch.tensor([[0, 2, 3], [0, 1, 1]])
+    slots, new_k, new_v = torch.tensor([[4, 9], [2, 9]]), *torch.randn(2, 2, 2, 2, 16, generator=g)
     tokens = torch.tensor([[5, 7, 3, 9, 2, 4, 1]] * 2)
     parents = torch.tensor([[-1, 0, 0, 1, 1, 2, 3]] * 2)
     depth = torch.tensor([[0, 1, 1, 2, 2, 2, 3]] * 2)
@@ -43,13 +45,16 @@ def cases() -> dict[str, tuple]:
     final = torch.rand(2, generator=g, dtype=torch.float64)
     ops = torch.ops.eagle31
     return {
-        "tree_attention": (ops.tree_attention.default, (q, k, v, mask, 0.25), tree_attention_reference),
+        "tree_attention": (ops.tree_attention.default, (q, k, v, block_base, local, 0.25), tree_attention_reference),
+        "tree_attention_causal": (ops.tree_attention.default, (q, k, v, block_base, None, 0.25),
+                                  tree_attention_reference),
         "fc_norm_fuse": (ops.fc_norm_fuse.default, (features, norm_weight, 1e-5, fc_weight),
                          fc_norm_fuse_reference),
         "fc_norm_fuse_plain": (ops.fc_norm_fuse.default, (features, None, 1e-5, fc_weight),
                                fc_norm_fuse_reference),
         "draft_topk": (ops.draft_topk.default, (normed, lm_head, d2t, 3), draft_topk_reference),
         "kv_compact": (ops.kv_compact.default, (keys, values, base, path), kv_compact_reference),
+        "kv_write": (ops.kv_write.default, (keys, values, slots, new_k, new_v), kv_write_reference),
         "accept_greedy": (ops.accept_greedy.default, (*tree, logits, 3), accept_greedy_reference),
         "accept_sample": (ops.accept_sample.default, (*tree, probs, uniforms, final, 3),
                           accept_sample_reference),
@@ -64,7 +69,7 @@ def clone_args(args):
 
 
 def as_tuple(out):
-    """Op outputs as a tuple; kv_compact returns None (it mutates)."""
+    """Op outputs as a tuple; kv_compact and kv_write return None (they mutate)."""
     if out is None:
         return ()
     return out if isinstance(out, tuple) else (out,)
@@ -108,7 +113,10 @@ def op_name(op) -> str:
     return op.name().split("::")[1].split(".")[0]
 
 
-@pytest.mark.parametrize("name", CASES)
+TRITON_CASES = [name for name in CASES if op_name(cases()[name][0]) not in kernels.TORCH_ONLY]
+
+
+@pytest.mark.parametrize("name", TRITON_CASES)
 def test_interpreter_env_runs_the_triton_kernels(name, interpreter, launches):
     op, args, reference = cases()[name]
     got = call(op, args)
@@ -117,7 +125,7 @@ def test_interpreter_env_runs_the_triton_kernels(name, interpreter, launches):
     assert_equal_outputs(got, call(reference, args))
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", TRITON_CASES)
 def test_compiles_fullgraph_with_aot_eager(name, interpreter, launches):
     # the custom op inside a compiled graph: the fake impl traces it, the interpreted Triton kernel runs it
     op, args, reference = cases()[name]
@@ -154,10 +162,13 @@ def test_opcheck(name, reference_only):
 
 
 def test_fake_impls_refuse_bad_shapes():
-    op, (q, k, v, mask, scale), _ = cases()["tree_attention"]
+    op, (q, k, v, base, local, scale), _ = cases()["tree_attention"]
     mode = FakeTensorMode()
-    fake = [mode.from_tensor(t) for t in (q, k, v, mask[..., :-1])]
-    with mode, pytest.raises(ValueError, match="mask"):
+    fake = [mode.from_tensor(t) for t in (q, k, v, base, local[:, :, :-1])]
+    with mode:
+        op(*fake, scale)                                     # a narrower block (W < T) is fine
+    fake = [mode.from_tensor(t) for t in (q, k, v, base.expand(2), local)]
+    with mode, pytest.raises(ValueError, match="base must be"):
         op(*fake, scale)
 
 
@@ -166,7 +177,9 @@ def test_registry_describes_every_op():
     assert set(kernels.KERNELS) <= registered
     choices = kernels.kernel_choices("cuda")
     assert set(choices) == set(kernels.KERNELS)
-    assert all(impl == "triton" and "CUDA" in why for impl, why in choices.values())
+    assert all(impl == "triton" and "CUDA" in why for name, (impl, why) in choices.items()
+               if name not in kernels.TORCH_ONLY)
+    assert choices["kv_write"] == ("reference", kernels.TORCH_ONLY["kv_write"])
     fp64 = kernels.kernel_choices("cuda", torch.float64)
     assert fp64["tree_attention"][0] == "reference" and "float64" in fp64["tree_attention"][1]
     assert fp64["kv_compact"][0] == "triton", "data movement takes any dtype"

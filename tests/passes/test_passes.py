@@ -1,4 +1,5 @@
-"""locate_layers and tap_features on real dynamo graphs of tiny Llama, Qwen2, Qwen3 and Mistral targets."""
+"""locate_layers, tap_features and tree_attention on real dynamo graphs of tiny Llama, Qwen2, Qwen3 and Mistral
+targets."""
 
 from __future__ import annotations
 
@@ -10,8 +11,12 @@ from eagle_compile.capture_indices import default_capture_indices
 from eagle_compile.errors import UnsupportedModelError
 from eagle_compile.passes import PASSES, PassContext, locate_layers, run_passes
 from eagle_compile.runtime.kv_cache import SlotKVCache
-from eagle_compile.runtime.masks import causal_mask
+from eagle_compile.runtime.masks import SlotMask
 from eagle_compile.runtime.target_program import TargetProgram
+
+
+def causal(batch: int, start: int = 0, slots: int = 32) -> SlotMask:
+    return SlotMask.causal(torch.full((batch,), start), slots)
 
 
 def _run_program(model, indices, tokens):
@@ -19,8 +24,7 @@ def _run_program(model, indices, tokens):
     cache = SlotKVCache(model.config, batch, 32, dtype=torch.float64, device="cpu")
     pos = torch.arange(t).expand(batch, t)
     program = TargetProgram(model, indices)
-    logits, feats = program(tokens, pos, causal_mask(pos, torch.ones_like(pos, dtype=torch.bool), 32,
-                                                     torch.float64), pos, cache)
+    logits, feats = program(tokens, pos, causal(batch), pos, cache)
     return program, logits, feats
 
 
@@ -36,7 +40,7 @@ def test_taps_equal_output_hidden_states_at_capture_indices(arch):
     assert torch.allclose(feats, expected, atol=1e-12, rtol=0)
     assert torch.allclose(logits, ref.logits, atol=1e-12, rtol=0)     # original output untouched
     ctx = program.contexts[0]
-    assert ctx.counts == {"locate_layers": 8, "tap_features": 3}
+    assert ctx.counts == {"locate_layers": 8, "tap_features": 3, "tree_attention": 8}
     assert ctx.architecture == type(model).__name__
 
 
@@ -50,14 +54,12 @@ def test_keep_computes_logits_at_those_positions_only(arch):
     pos = torch.arange(7).expand(2, 7)
     cache = SlotKVCache(model.config, 2, 32, dtype=torch.float64, device="cpu")
     keep = torch.tensor([[6], [3]])                 # per row: row 0 at position 6, row 1 at position 3
-    kept, kept_feats = program(tokens, pos, causal_mask(pos, torch.ones_like(pos, dtype=torch.bool), 32,
-                                                        torch.float64), pos, cache, keep)
+    kept, kept_feats = program(tokens, pos, causal(2), pos, cache, keep)
     assert kept.shape == (2, 1, logits.shape[-1])
     torch.testing.assert_close(kept[:, 0], logits[torch.arange(2), keep[:, 0]], rtol=0, atol=1e-12)
     torch.testing.assert_close(kept_feats, feats, rtol=0, atol=1e-12)
     full_cache = SlotKVCache(model.config, 2, 32, dtype=torch.float64, device="cpu")
-    program(tokens, pos, causal_mask(pos, torch.ones_like(pos, dtype=torch.bool), 32, torch.float64), pos,
-            full_cache)
+    program(tokens, pos, causal(2), pos, full_cache)
     for a, b in zip(cache.layers, full_cache.layers, strict=True):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
     assert program.graphs_captured == 2
@@ -85,7 +87,46 @@ def _last_layer_output(model, tokens):
 
 
 def test_pass_order_is_one_list():
-    assert [p.__name__ for p in PASSES] == ["locate_layers", "tap_features"]
+    assert [p.__name__ for p in PASSES] == ["locate_layers", "tap_features", "tree_attention"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tree_attention_removes_the_dense_mask_and_every_sdpa(arch):
+    """The pass swaps each layer's SDPA over the dense slot mask (and HF's repeat_kv) for the live-slot op: the
+    rewritten graph has no SDPA, no slot_mask and no K/V expansion left, and computes the same logits and
+    features as the graph as traced (the pass switched off: `kernels="off"`)."""
+    model = tiny_target(arch)
+    tokens = torch.randint(3, 96, (2, 6))
+    graphs = {}
+
+    def spy(use):
+        def backend(gm, example_inputs):
+            ctx = PassContext(kernels="auto" if use else "off")
+            gm = run_passes(gm, ctx)
+            graphs[use] = (gm, ctx)
+            return gm.forward
+        return backend
+
+    results = {}
+    for use in (True, False):
+        program = TargetProgram(model, None)
+        cache = SlotKVCache(model.config, 2, 32, dtype=torch.float64, device="cpu")
+        cache.layers[0].keys.normal_(generator=torch.Generator().manual_seed(0))     # a non-trivial prefix
+        pos = torch.arange(6).expand(2, 6) + 4
+        compiled = torch.compile(program._forward, backend=spy(use), fullgraph=True, dynamic=False)
+        logits = compiled(tokens, pos, torch.full((2,), 4), None, 32, pos, cache)
+        results[use] = logits
+    torch.testing.assert_close(results[True], results[False], rtol=0, atol=1e-12)
+    rewritten, ctx = graphs[True]
+    traced, _ = graphs[False]
+    targets = [n.target for n in rewritten.graph.nodes if n.op in ("call_function", "call_method")]
+    assert ctx.counts["tree_attention"] == 8
+    assert targets.count(torch.ops.eagle31.tree_attention.default) == 8
+    assert torch.ops.eagle31.slot_mask.default not in targets
+    assert not any("scaled_dot_product" in str(t) for t in targets)
+    assert "expand" not in targets and "repeat_kv" not in str(targets)
+    traced_targets = [str(n.target) for n in traced.graph.nodes if n.op == "call_function"]
+    assert sum("scaled_dot_product" in t for t in traced_targets) == 8     # negative control: as traced
 
 
 def test_graph_without_decoder_layers_names_the_architecture():

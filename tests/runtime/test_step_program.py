@@ -46,7 +46,7 @@ def test_step_passes_rewrite_the_expected_sites():
         "static_kv": 2 * layers + 2 * depth + 2 * layers,   # target writes, draft writes, compaction
         "draft_subgraph": 1 + depth,                # one fc_norm_fuse, a draft_topk per level
         "accept_subgraph": 1 + layers,              # accept_greedy, a kv_compact per layer
-        "tree_attention": layers + depth,           # target layers + draft forwards
+        "tree_attention": layers,                   # target layers (the draft calls the op itself)
     }
 
 
@@ -55,7 +55,8 @@ def test_kernels_auto_on_cpu_keeps_the_traced_code_and_says_why():
     head = random_head(target, flags=True, seed=1, reduced=False)
     ids, mask = ragged_batch(1, seed=3)
     counts = _counts_after_generate(target, head, ids, mask, kernels="auto")
-    assert counts["draft_subgraph"] == counts["accept_subgraph"] == counts["tree_attention"] == 0
+    assert counts["draft_subgraph"] == counts["accept_subgraph"] == 0
+    assert counts["tree_attention"] == 8, "live-slot attention is faster on CPU too, so 'auto' keeps it"
     assert counts["static_kv"] > 0 and counts["tap_features"] == 3
 
 

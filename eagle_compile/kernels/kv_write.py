@@ -1,0 +1,51 @@
+"""`eagle31::kv_write`: write new K/V into a static slot cache at explicit per-row slots, in place.
+
+`SlotKVCache` (the target's) and the draft head's cache both write through this op. As an opaque op that
+mutates its cache arguments it keeps the write in place through every lowering: traced as `scatter_` on a
+graph input, inductor's functionalization would copy each layer's whole cache buffer every step to apply the
+mutation (measured: 60 copies of the full cache per SmolLM2 step). Padded tokens write the sentinel slot.
+
+There is no Triton kernel: a scatter of a few rows is bandwidth-trivial and torch's runs on every device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _check(keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+           v: torch.Tensor) -> None:
+    if keys.dim() != 4 or values.shape != keys.shape:
+        raise ValueError(f"kv_write: expected keys and values [B, Hkv, S, hd], got {tuple(keys.shape)} and "
+                         f"{tuple(values.shape)}")
+    b, h, _, hd = keys.shape
+    if slots.dim() != 2 or slots.shape[0] != b or slots.dtype != torch.int64:
+        raise ValueError(f"kv_write: slots must be [B, T] = [{b}, T] int64, got {tuple(slots.shape)} {slots.dtype}")
+    want = (b, h, slots.shape[1], hd)
+    if tuple(k.shape) != want or v.shape != k.shape:
+        raise ValueError(f"kv_write: new keys/values must be [B, Hkv, T, hd] = {list(want)}, got {tuple(k.shape)} "
+                         f"and {tuple(v.shape)}")
+
+
+def kv_write_reference(keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor) -> None:
+    """keys[b, :, slots[b, t]] = k[b, :, t] (and values), in place.
+
+    Args:
+        keys, values: [B, Hkv, S, hd] cache buffers. slots: [B, T] int64. k, v: [B, Hkv, T, hd].
+    """
+    index = slots[:, None, :, None].expand_as(k)
+    keys.scatter_(2, index, k.to(keys.dtype))
+    values.scatter_(2, index, v.to(values.dtype))
+
+
+@torch.library.custom_op("eagle31::kv_write", mutates_args=("keys", "values"))
+def kv_write(keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """In place: the new tokens' K/V into their slots (see the module doc)."""
+    kv_write_reference(keys, values, slots, k, v)
+
+
+@kv_write.register_fake
+def _(keys, values, slots, k, v):
+    _check(keys, values, slots, k, v)

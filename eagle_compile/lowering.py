@@ -1,0 +1,144 @@
+"""How a rewritten program runs: as its FX graph, or compiled by inductor with settings chosen for our programs.
+
+`Lowering` is the inner backend of one program (a target program or a step program): `eager` runs the
+rewritten FX graph as is; `inductor` hands it to `compile_fx` with `config_patches`, so the inductor settings
+apply to our compilations only and never to the user's own `torch.compile` calls (the global
+`torch._inductor.config` is not touched). Freezing needs one more thing at trace time: dynamo must install the
+model's parameters as graph attributes rather than graph inputs (`torch._dynamo.config.prepare_freezing`),
+which `tracing()` scopes to our programs' calls in the same way. Without it, inductor's freezing and its C++
+GEMM templates have no constant weights to work with and silently do nothing.
+
+Presets (`inductor_config` values, COMPILE_FACTS.md §4.1):
+
+* `"default"`: inductor's defaults;
+* `"freezing"`: weights folded as constants (prepacked GEMM weights, constant folding);
+* `"cpp-gemm"`: freezing + max-autotune over inductor's C++ GEMM templates and ATen (bandwidth-bound small-M
+  GEMMs run 1.7-2.4x faster than MKL's on our 2-core CPUs, but they round differently from MKL, so greedy text
+  can part from HF eager greedy at near-ties, see the batch-invariance issue).
+
+Compile seconds are recorded per graph (`compile_seconds`), for `eagle_compile.explain`. Inductor keeps its
+compiled graphs and autotuning results on disk (`TORCHINDUCTOR_CACHE_DIR`, default
+`/tmp/torchinductor_<user>`), so a later process skips the inductor compile; delete that folder to clear it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from eagle_compile.errors import OptionsError
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "freezing": {"freezing": True},
+    "cpp-gemm": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"},
+}
+
+
+@dataclass
+class Lowering:
+    """The inner backend of a program: `backend` "eager" or "inductor" with `config` patches."""
+
+    backend: str = "eager"
+    config: dict[str, Any] = field(default_factory=dict)
+    reason: str = "inner_backend='eager'"
+    compile_seconds: list[float] = field(default_factory=list)
+
+    @property
+    def freezing(self) -> bool:
+        return self.backend == "inductor" and bool(self.config.get("freezing"))
+
+    def describe(self) -> str:
+        what = "eager (the rewritten FX graph)" if self.backend == "eager" else f"inductor {self.config or '{}'}"
+        return f"{what}: {self.reason}"
+
+    def compile(self, gm: torch.fx.GraphModule, example_inputs: list, ctx: Any = None) -> Callable:
+        """A callable running `gm` (after the passes): the graph itself, or inductor's compilation of it."""
+        if self.backend == "eager":
+            return gm.forward
+        from torch._inductor.compile_fx import compile_fx
+
+        t0 = time.perf_counter()
+        compiled = compile_fx(gm, example_inputs, config_patches=dict(self.config))
+        self.compile_seconds.append(time.perf_counter() - t0)
+        return compiled
+
+    @contextlib.contextmanager
+    def tracing(self) -> Iterator[None]:
+        """Scope for a call of the compiled program: with freezing, dynamo traces parameters as attributes."""
+        if not self.freezing:
+            yield
+            return
+        with torch._dynamo.config.patch(prepare_freezing=True):
+            yield
+
+
+def eager_lowering() -> Lowering:
+    return Lowering()
+
+
+def make_lowering(inner_backend: str, inductor_config: str | Mapping[str, Any] | None, reason: str) -> Lowering:
+    """`Lowering` for options (inner_backend "eager" / "inductor", inductor_config a preset name or patches)."""
+    if inner_backend == "eager":
+        return Lowering("eager", {}, reason)
+    return Lowering("inductor", resolve_inductor_config(inductor_config), reason)
+
+
+def resolve_inductor_config(config: str | Mapping[str, Any] | None) -> dict[str, Any]:
+    """A preset name or a dict of `torch._inductor.config` keys -> the patches; unknown names/keys raise."""
+    if config is None:
+        return dict(PRESETS["freezing"])
+    if isinstance(config, str):
+        if config not in PRESETS:
+            raise OptionsError(f"inductor_config={config!r}: not a preset; presets: {sorted(PRESETS)}, or give a "
+                               "dict of torch._inductor.config keys")
+        return dict(PRESETS[config])
+    if not isinstance(config, Mapping):
+        raise OptionsError(f"inductor_config must be a preset name or a dict, got {type(config).__name__}")
+    import torch._inductor.config as inductor_config
+
+    unknown = sorted(k for k in config if not _is_config_key(inductor_config, k))
+    if unknown:
+        raise OptionsError(f"inductor_config keys {unknown} are not torch._inductor.config settings")
+    return dict(config)
+
+
+def _is_config_key(module, key: str) -> bool:
+    try:
+        module.get_config_copy()[key]  # noqa: B018
+    except KeyError:
+        return False
+    return True
+
+
+#: inner_backend="auto", per (device type, dtype): the fastest setting whose greedy output still equals HF eager
+#: greedy on the real-target tests (tests/test_real_target.py), measured with benchmarks/plain_path.py
+#: (docs/BENCHMARKS.md). Anything not listed runs eager.
+AUTO: dict[tuple[str, torch.dtype], tuple[str, str | None, str]] = {}
+
+
+def auto_lowering(device: torch.device | str, dtype: torch.dtype) -> Lowering:
+    """The `Lowering` inner_backend="auto" picks for programs on `device` computing in `dtype`."""
+    key = (torch.device(device).type, dtype)
+    if key not in AUTO:
+        return Lowering("eager", {}, f"inner_backend='auto': eager for {key[0]} {dtype} (no faster exact setting "
+                                     "measured)")
+    backend, preset, why = AUTO[key]
+    return make_lowering(backend, preset, f"inner_backend='auto' on {key[0]} {dtype}: {why}")
+
+
+def lowering_for(inner_backend: str, inductor_config: str | Mapping[str, Any] | None,
+                 device: torch.device | str, dtype: torch.dtype) -> Lowering:
+    """The `Lowering` of eagle31 options `inner_backend` / `inductor_config` for a target on `device`."""
+    if inner_backend == "auto":
+        if inductor_config is not None:
+            raise OptionsError("inductor_config is given but inner_backend='auto' chooses its own settings; set "
+                               "inner_backend='inductor' to use inductor_config")
+        return auto_lowering(device, dtype)
+    shown = f", inductor_config={inductor_config!r}" if inductor_config is not None else ""
+    return make_lowering(inner_backend, inductor_config, f"inner_backend={inner_backend!r}{shown}")

@@ -1,0 +1,122 @@
+"""The plain path: plain mode (speculation off), chunked prefill of long prompts over the live slots (graph
+counts: test_graph_reuse.py), and the tree shape read from tree.json beside a head (TESTING.md 1, 7)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tiny import ARCHS, ScriptedDrafter, greedy_reference, ragged, random_head, tiny_target
+
+import eagle_compile
+from eagle_compile.draft.checkpoint import save_draft
+from eagle_compile.runtime.decoder import prefill_chunk_sizes, prefill_plan
+
+
+def _continuations(ids, mask, ref):
+    width = ids.shape[1]
+    return [[t for t, m in zip(ids[i].tolist(), mask[i].tolist(), strict=True) if m] + ref[i, width:].tolist()
+            for i in range(ids.shape[0])]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("lengths", [[9], [3, 40, 17]])
+def test_plain_mode_equals_hf_greedy_without_a_draft(arch, lengths):
+    model = tiny_target(arch, seed=11)
+    ids, mask = ragged(lengths, seed=4)
+    ref = greedy_reference(model, ids, attention_mask=mask, max_new_tokens=14)
+    out = eagle_compile.generate(model, ids, attention_mask=mask, max_new_tokens=14, return_dict_in_generate=True,
+                                 options={"speculate": False, "prefill_chunk": 16})
+    assert torch.equal(out.sequences, ref)
+    stats = out.stats
+    assert not stats.speculate and stats.tree == {"speculate": False}
+    assert set(stats.acceptance_lengths) == {1} and stats.cycles == 13    # one token a step after the prefill's
+    assert stats.draft_time is None
+
+
+def test_plain_mode_through_compile_ignores_the_draft_and_says_so():
+    model = tiny_target("qwen3", seed=2)
+    ids = torch.randint(3, 96, (1, 7), generator=torch.Generator().manual_seed(0))
+    ref = greedy_reference(model, ids, max_new_tokens=10)
+    drafter = ScriptedDrafter([ref[0].tolist()], 96, "oracle")
+    compiled = torch.compile(model, backend="eagle31", options={"draft": drafter, "speculate": False})
+    out = compiled.generate(ids, max_new_tokens=10, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    assert max(out.stats.histogram) == 1, "the oracle drafter was not run"
+
+
+def test_prefill_plan_uses_a_bounded_menu_of_chunk_sizes():
+    assert prefill_chunk_sizes(512) == (512, 128, 32)
+    assert prefill_chunk_sizes(16) == (16,)
+    assert prefill_plan(600, 512) == [(0, 512), (512, 32), (544, 32), (576, 32)]
+    assert prefill_plan(5, 512) == [(0, 32)]
+    for length in range(1, 700, 37):
+        plan = prefill_plan(length, 512)
+        assert plan[0][0] == 0 and all(a[0] + a[1] == b[0] for a, b in zip(plan, plan[1:], strict=False))
+        covered = plan[-1][0] + plan[-1][1]
+        assert length <= covered < length + 32, "padding stays below the smallest chunk"
+        assert {size for _, size in plan} <= {512, 128, 32}
+
+
+@pytest.mark.parametrize("drafter_kind", ["oracle", "random head"])
+def test_long_ragged_prompts_span_several_chunks_and_stay_exact(drafter_kind):
+    """Rows of very different lengths (several chunks of each size for the longest, one short chunk for the
+    shortest), through a speculative decoder: the output equals HF greedy row by row."""
+    model = tiny_target("llama", seed=21)
+    ids, mask = ragged([5, 203, 71], seed=8)
+    ref = greedy_reference(model, ids, attention_mask=mask, max_new_tokens=12)
+    if drafter_kind == "oracle":
+        draft = ScriptedDrafter(_continuations(ids, mask, ref), 96, "oracle")
+    else:
+        draft = random_head(model, flags=True, seed=3, reduced=True)
+    options = {"depth": 3, "top_k": 2, "total_tokens": 6, "prefill_chunk": 64}   # chunks of 64 and 16
+    out = eagle_compile.generate(model, ids, attention_mask=mask, draft=draft, options=options, max_new_tokens=12,
+                                 return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    if drafter_kind == "oracle":
+        assert max(out.stats.histogram) == 4, "the oracle was accepted: the draft's catch-up over the chunks is right"
+    for b, row in enumerate(_continuations(ids, mask, ref)):    # and each row alone gives its own output
+        alone = torch.tensor([row[:int(mask[b].sum())]])
+        single = eagle_compile.generate(model, alone, draft=draft, options=options, max_new_tokens=12)
+        assert single[0].tolist() == row
+
+
+def _head_folder(tmp_path, model, tree: dict | None):
+    head = random_head(model, flags=True, seed=5, reduced=False)
+    folder = tmp_path / "head"
+    save_draft(head, folder)
+    if tree is not None:
+        (folder / "tree.json").write_text(json.dumps(tree))
+    return folder
+
+
+@pytest.mark.parametrize(("tree", "used"), [
+    ({"depth": 2, "top_k": 2, "total_tokens": 5, "chosen_for": {"device": "cpu", "dtype": "float64"}}, True),
+    ({"chain": 3, "chosen_for": {"device": "cpu", "dtype": "float64"}}, True),
+    ({"depth": 2, "top_k": 2, "total_tokens": 5, "chosen_for": {"device": "cuda", "dtype": "float64"}}, False),
+    ({"depth": 2, "top_k": 2, "total_tokens": 5, "chosen_for": {"device": "cpu", "dtype": "bfloat16"}}, False),
+    ({"depth": 2, "top_k": 2, "total_tokens": 5}, False),
+    (None, False),
+])
+def test_the_heads_tree_is_the_default_when_chosen_for_this_device_and_dtype(tmp_path, tree, used):
+    model = tiny_target("llama", seed=6)
+    folder = _head_folder(tmp_path, model, tree)
+    ids = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(1))
+    ref = greedy_reference(model, ids, max_new_tokens=8)
+    for draft in (str(folder), eagle_compile.load_draft(folder, target=model, dtype=torch.float64)):
+        out = eagle_compile.generate(model, ids, draft=draft, max_new_tokens=8, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, ref)
+        shape = {k: out.stats.tree[k] for k in ("depth", "top_k", "total_tokens")}
+        source = out.stats.tree["source"]
+        if used and "chain" in tree:
+            assert shape == {"depth": 3, "top_k": 1, "total_tokens": 4}
+        elif used:
+            assert shape == {k: tree[k] for k in shape}
+        else:
+            assert shape == {"depth": 7, "top_k": 10, "total_tokens": 60}
+        assert (str(folder / "tree.json") in source) == (tree is not None), source
+        assert source.startswith("EAGLE defaults") != used, source
+    explicit = eagle_compile.generate(model, ids, draft=str(folder), options={"chain": 2}, max_new_tokens=8,
+                                      return_dict_in_generate=True)
+    assert explicit.stats.tree["source"] == "options" and explicit.stats.tree["depth"] == 2
