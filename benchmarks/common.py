@@ -173,16 +173,19 @@ def load_head(model, draft: str | None) -> tuple[torch.nn.Module, dict[str, Any]
     return head, {"trained": False, "folder": None, "note": UNTRAINED_NOTE}
 
 
-def read_options(spec: str | None, head_info: dict[str, Any], default: dict[str, Any]) -> tuple[dict, str]:
+def read_options(spec: str | None, head_info: dict[str, Any], default: dict[str, Any],
+                 dtype: torch.dtype = torch.float32) -> tuple[dict, str]:
     """eagle31 tree options and where they came from: `spec` (a JSON string or a path to a JSON file), else
-    `tree.json` beside the head (written by benchmarks/verify_cost.py), else `default`."""
+    the `tree.json` beside the head when it was chosen for CPU and `dtype` (what eagle31 itself would use, see
+    eagle_compile/draft/tree_file.py), else `default`."""
+    from eagle_compile.draft.tree_file import head_tree
+
     if spec:
         path = Path(spec)
-        if path.is_file():
-            return json.loads(path.read_text()), str(path.resolve())
-        return json.loads(spec), "--options"
-    if head_info.get("folder"):
-        tree = Path(head_info["folder"]) / "tree.json"
-        if tree.is_file():
-            return json.loads(tree.read_text()), str(tree)
-    return dict(default), f"default {json.dumps(default)} (no --options and no tree.json beside the head)"
+        raw = json.loads(path.read_text()) if path.is_file() else json.loads(spec)
+        raw.pop("chosen_for", None)
+        return raw, str(path.resolve()) if path.is_file() else "--options"
+    tree, why = head_tree(head_info.get("folder"), torch.device("cpu"), dtype)
+    if tree is not None:
+        return tree, why
+    return dict(default), f"default {json.dumps(default)} ({why})"

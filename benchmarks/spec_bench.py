@@ -160,18 +160,23 @@ class Methods:
             self.run(method, ids, WARMUP_TOKENS)
 
     def cache_slots(self, prompt_len: int) -> int:
-        """Static eagle31 cache slots for this prompt: generous bound on what the decoder needs, rounded up."""
+        """Static eagle31 cache slots for this prompt (what the decoder allocates), rounded up."""
+        from eagle_compile.draft.tree import TreeShape
+        from eagle_compile.runtime.decoder import cache_slots_needed
+
         o = self.parsed
         if o.max_cache_len is not None:
             return o.max_cache_len
-        span = math.ceil(prompt_len / o.prefill_chunk) * o.prefill_chunk
-        tree = max(o.tree_tokens, (o.tree_depth - 1) * o.tree_top_k, o.tree_depth + 1)
-        need = max(span, prompt_len + self.max_new + 2 * (o.tree_depth + 1) + tree) + 2
+        need = cache_slots_needed(prompt_len, self.max_new, o.prefill_chunk,
+                                  TreeShape(o.tree_depth, o.tree_top_k, o.tree_tokens))
         return math.ceil(need / o.cache_len_multiple) * o.cache_len_multiple
 
-    def shape_key(self, prompt_len: int) -> tuple[int, int]:
-        """What the captured graphs specialise on: the static cache size and the number of prefill chunks."""
-        return self.cache_slots(prompt_len), math.ceil(prompt_len / self.parsed.prefill_chunk)
+    def shape_key(self, prompt_len: int) -> tuple:
+        """What the captured graphs specialise on: the static cache size and the prefill chunk sizes used."""
+        from eagle_compile.runtime.decoder import prefill_plan
+
+        sizes = frozenset(size for _, size in prefill_plan(prompt_len, self.parsed.prefill_chunk))
+        return self.cache_slots(prompt_len), sizes
 
     def warm_eagle(self, ids: torch.Tensor) -> float | None:
         """Capture the graphs for this prompt's shapes, untimed; seconds spent, None when already warm."""
@@ -430,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model, tokenizer = load_default_target(getattr(torch, args.dtype))
     head, head_info = load_head(model, args.draft)
-    options, options_source = read_options(args.options, head_info, DEFAULT_TREE)
+    options, options_source = read_options(args.options, head_info, DEFAULT_TREE, model.dtype)
     print(f"draft: {head_info['note']}\neagle31 tree: {json.dumps(options)} (from {options_source})", flush=True)
     questions = load_questions(args.data, args.categories, args.per_category)
     key = run_key(args, options, head_info)

@@ -119,13 +119,14 @@ def cache_slots(prefix: int, largest: int) -> int:
     return math.ceil((prefix + 256 + largest + 2) / 256) * 256
 
 
-def prefill(program, cache, prefix: int, generator: torch.Generator, chunk: int = 512) -> None:
+def prefill(program, cache, prefix: int, generator: torch.Generator) -> None:
     """Write `prefix` random tokens into the cache through the program, in chunks as the decoder's prefill does."""
+    from eagle_compile.options import EagleOptions
     from eagle_compile.runtime.decoder import prefill_plan
     from eagle_compile.runtime.masks import SlotMask
 
     vocab = program.model.config.vocab_size
-    for start, size in prefill_plan(prefix, chunk):
+    for start, size in prefill_plan(prefix, EagleOptions().prefill_chunk):
         pos = torch.arange(start, start + size)[None]
         real = pos < prefix
         ids = torch.randint(0, vocab, (1, size), generator=generator)
@@ -247,6 +248,9 @@ class RecordingDrafter:
 
     def forward(self, state, hidden, tokens, positions, write_slots, mask, *, fuse):
         return self.inner.forward(state, hidden, tokens, positions, write_slots, mask, fuse=fuse)
+
+    def fill(self, state, hidden, tokens, positions, write_slots):
+        return self.inner.fill(state, hidden, tokens, positions, write_slots)
 
     def top_k(self, head_input: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[..., H] -> (log-probs [..., k], target ids [..., k]), best first, as the wrapped drafter returns."""

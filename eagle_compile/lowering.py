@@ -16,9 +16,17 @@ Presets (`inductor_config` values, COMPILE_FACTS.md §4.1):
   GEMMs run 1.7-2.4x faster than MKL's on our 2-core CPUs, but they round differently from MKL, so greedy text
   can part from HF eager greedy at near-ties, see the batch-invariance issue).
 
-Compile seconds are recorded per graph (`compile_seconds`), for `eagle_compile.explain`. Inductor keeps its
-compiled graphs and autotuning results on disk (`TORCHINDUCTOR_CACHE_DIR`, default
-`/tmp/torchinductor_<user>`), so a later process skips the inductor compile; delete that folder to clear it.
+Prefill programs run as FX graphs even under inductor: their GEMMs (hundreds to thousands of rows) are
+compute-bound, where MKL is already at its best, and inductor would spend minutes compiling each chunk size
+(measured: one SmolLM2 decode program takes ~150 s to compile and autotune under "cpp-gemm" here). Decode and
+verify programs, whose GEMMs have a few rows and are bound by reading the weights, get the chosen lowering.
+
+Compile seconds are recorded per graph (`compiled`), for `eagle_compile.explain`. Inductor keeps its compiled
+graphs and autotuning results on disk (`TORCHINDUCTOR_CACHE_DIR`, default `/tmp/torchinductor_<user>`; delete
+the folder to clear it), so a later process skips the inductor compile of "default" graphs. In torch 2.13 it
+does not for "freezing" and "cpp-gemm" graphs: their prepacked mkldnn weights cannot be pickled, so inductor
+bypasses its FX-graph cache ("mkldnn tensors unpickleable") and every process compiles them again (measured in
+docs/BENCHMARKS.md); dynamo's capture itself is redone by every process in any case (seconds per graph).
 """
 
 from __future__ import annotations
@@ -47,7 +55,11 @@ class Lowering:
     backend: str = "eager"
     config: dict[str, Any] = field(default_factory=dict)
     reason: str = "inner_backend='eager'"
-    compile_seconds: list[float] = field(default_factory=list)
+    compiled: list[tuple[str, str, float]] = field(default_factory=list)   # (program kind, how, seconds) per graph
+
+    @property
+    def compile_seconds(self) -> float:
+        return sum(seconds for _, _, seconds in self.compiled)
 
     @property
     def freezing(self) -> bool:
@@ -57,25 +69,46 @@ class Lowering:
         what = "eager (the rewritten FX graph)" if self.backend == "eager" else f"inductor {self.config or '{}'}"
         return f"{what}: {self.reason}"
 
-    def compile(self, gm: torch.fx.GraphModule, example_inputs: list, ctx: Any = None) -> Callable:
-        """A callable running `gm` (after the passes): the graph itself, or inductor's compilation of it."""
-        if self.backend == "eager":
-            return gm.forward
+    def compile(self, gm: torch.fx.GraphModule, example_inputs: list, kind: str = "step") -> Callable:
+        """A callable running `gm` (after the passes): the graph itself, or inductor's compilation of it.
+
+        Args:
+            kind: "step" (decode, verify, a whole speculative cycle) or "prefill" (runs as its FX graph).
+        """
+        if self.backend == "eager" or kind == "prefill":
+            self.compiled.append((kind, "eager" if self.backend == "eager" else "eager (prefill)", 0.0))
+            return direct_calls(gm).forward
         from torch._inductor.compile_fx import compile_fx
 
         t0 = time.perf_counter()
         compiled = compile_fx(gm, example_inputs, config_patches=dict(self.config))
-        self.compile_seconds.append(time.perf_counter() - t0)
+        self.compiled.append((kind, "inductor", time.perf_counter() - t0))
         return compiled
 
     @contextlib.contextmanager
-    def tracing(self) -> Iterator[None]:
+    def tracing(self, kind: str = "step") -> Iterator[None]:
         """Scope for a call of the compiled program: with freezing, dynamo traces parameters as attributes."""
-        if not self.freezing:
+        if not self.freezing or kind == "prefill":
             yield
             return
         with torch._dynamo.config.patch(prepare_freezing=True):
             yield
+
+
+def direct_calls(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Call the Python implementations of the per-layer eagle31 ops directly in a graph that runs as FX code
+    (the same functions the ops dispatch to, minus the dispatcher's overhead)."""
+    from eagle_compile.kernels import eager_calls
+
+    impls = eager_calls()
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in impls:
+            node.target = impls[node.target]
+            changed = True
+    if changed:
+        gm.recompile()
+    return gm
 
 
 def eager_lowering() -> Lowering:

@@ -42,7 +42,8 @@ class EagleOptions:
     multiple of `cache_len_multiple`, so that calls of similar length reuse the captured graphs.
     `prefill_chunk` is the largest number of prompt tokens one prefill forward takes (static shapes: a prompt
     is covered by chunks of `prefill_chunk`, `prefill_chunk // 4`, ... down to 16 tokens, so the number of
-    captured prefill graphs stays bounded). `inner_backend` runs the rewritten graphs: "eager" (the FX graph as
+    captured prefill graphs stays bounded; chunks of 1K+ tokens attend as fast as one causal pass over the
+    whole prompt). `inner_backend` runs the rewritten graphs: "eager" (the FX graph as
     is), "inductor" (compile_fx with `inductor_config`: a preset of `eagle_compile.lowering.PRESETS` or a dict
     of `torch._inductor.config` settings, applied to our programs only; default preset "freezing"), or "auto"
     (the fastest setting whose greedy output matched HF eager greedy on the real-target tests, per device and
@@ -62,7 +63,7 @@ class EagleOptions:
     chain: int | None = None
     speculate: bool = True
     batch_buckets: tuple[int, ...] = DEFAULT_BUCKETS
-    prefill_chunk: int = 512
+    prefill_chunk: int = 4096
     inner_backend: str = "auto"
     inductor_config: Any = None
     step_program: bool = False

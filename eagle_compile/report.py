@@ -1,7 +1,8 @@
 """`eagle_compile.explain(compiled)`: what the eagle31 backend did for a model, in words.
 
-Passes run and the sites each rewrote (per captured graph), the kernel implementation each eagle31 op uses on
-the model's device and why, the CUDA-graph buckets captured and replayed, and the tree shape.
+Passes run and the sites each rewrote (per captured graph), how each graph runs (FX graph or inductor, with its
+compile seconds) and why, the kernel implementation each eagle31 op uses on the model's device and why, the
+CUDA-graph buckets captured and replayed, and the tree shape with where it came from.
 """
 
 from __future__ import annotations
@@ -26,11 +27,18 @@ def explain(compiled, *, file=None) -> str:
     if not decoders:
         lines.append("nothing captured yet: call compiled.generate(...) (or eagle_compile.generate) first")
     for i, dec in enumerate(decoders):
-        lines.append(f"[decoder {i}] tree depth={dec.shape.depth} top_k={dec.shape.top_k} "
-                     f"total_tokens={dec.shape.total_tokens}; capture indices {list(dec.capture_indices)}; "
-                     f"step_program={dec.options.step_program}; inner backend {dec.options.inner_backend}")
+        if dec.speculate:
+            what = (f"tree depth={dec.shape.depth} top_k={dec.shape.top_k} total_tokens={dec.shape.total_tokens} "
+                    f"(from {dec.tree_source})")
+        else:
+            what = "plain decoding (speculate=False): one target forward per token, no draft"
+        lines.append(f"[decoder {i}] {what}; capture indices {list(dec.capture_indices)}; "
+                     f"step_program={dec.options.step_program}")
+        lines.append(f"  lowering: {dec.lowering.describe()}")
         for ctx in dec.program.contexts:
             lines.append(f"  target program graph: {_counts(ctx.counts)}")
+        for kind, how, seconds in dec.lowering.compiled:
+            lines.append(f"  {kind} graph runs {how}" + (f", compiled in {seconds:.1f} s" if seconds else ""))
         for key, step in dec._steps.items():
             if isinstance(step, StepProgram):
                 for ctx in step.contexts:

@@ -19,12 +19,44 @@ def test_explain_before_and_after_generate():
     ids, mask = ragged_batch(1, seed=1)
     compiled.generate(ids, attention_mask=mask, max_new_tokens=5)
     after = eagle_compile.explain(compiled)
-    assert "tree depth=2 top_k=2 total_tokens=4" in after
-    assert "target program graph: locate_layers 8, tap_features 3" in after
+    assert "tree depth=2 top_k=2 total_tokens=4 (from options)" in after
+    assert "lowering: eager (the rewritten FX graph): inner_backend='auto': eager for cpu torch.float64" in after
+    assert "prefill graph runs eager" in after and "step graph runs eager" in after
+    assert "target program graph: locate_layers 8, tap_features 3, tree_attention 8" in after
     assert "step program graph (greedy): locate_layers 8, tap_features 3" in after
     for op in ("tree_attention", "fc_norm_fuse", "draft_topk", "kv_compact", "accept_greedy", "accept_sample"):
         assert op in after
     assert "reference" in after and "float64" in after          # why the reference runs here
+
+
+def test_explain_plain_mode_and_an_inductor_lowering_scoped_to_our_programs():
+    import torch._inductor.config as inductor_config
+
+    model = tiny_target("llama", seed=8)
+    before = inductor_config.get_config_copy()
+    compiled = torch.compile(model, backend="eagle31", options={
+        "speculate": False, "prefill_chunk": 16, "inner_backend": "inductor", "inductor_config": "default"})
+    ids = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(3))
+    out = compiled.generate(ids, max_new_tokens=4, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, greedy_reference(model, ids, max_new_tokens=4))
+    text = eagle_compile.explain(compiled)
+    assert "plain decoding (speculate=False)" in text
+    assert "lowering: inductor {}: inner_backend='inductor', inductor_config='default'" in text
+    assert "prefill graph runs eager (prefill)" in text
+    assert "step graph runs inductor, compiled in" in text and out.stats.compile_time > 0
+    assert inductor_config.get_config_copy() == before, "the user's global inductor config is untouched"
+
+
+def test_freezing_traces_parameters_as_constants_for_our_programs_only():
+    from eagle_compile.lowering import make_lowering
+
+    lowering = make_lowering("inductor", "freezing", "test")
+    assert lowering.freezing and not torch._dynamo.config.prepare_freezing
+    with lowering.tracing("step"):
+        assert torch._dynamo.config.prepare_freezing
+    with lowering.tracing("prefill"):
+        assert not torch._dynamo.config.prepare_freezing
+    assert not torch._dynamo.config.prepare_freezing
 
 
 def test_cudagraphs_on_cpu_say_so_and_stay_exact():

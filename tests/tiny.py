@@ -67,6 +67,9 @@ class ScriptedDrafter:
     def new_state(self, batch, slots, *, dtype, device):
         return None
 
+    def fill(self, state, hidden, tokens, positions, write_slots):
+        return None                    # no KV: proposals come from the continuation, not from draft state
+
     def forward(self, state, hidden, tokens, positions, write_slots, mask, *, fuse):
         batch, t = tokens.shape
         rows = torch.arange(batch)[:, None].expand(batch, t)

@@ -88,7 +88,9 @@ def load_draft(
     d2t, t2d = validate_vocab_mapping(d2t, t2d, config.vocab_size, config.draft_vocab_size)
 
     dtype = dtype or tensors["lm_head.weight"].dtype
-    state = {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}  # all floating (checked)
+    # copies: tensors read from a file can sit at any byte offset, and MKL's results for the same values depend
+    # on their alignment (a round trip would not be bit for bit); torch's own allocations are aligned
+    state = {k: v.to(device=device, dtype=dtype, copy=True) for k, v in tensors.items()}  # all floating (checked)
     state["d2t"], state["t2d"] = d2t.to(device), t2d.to(device)
     model.load_state_dict(state, strict=True, assign=True)
     model.to(model.lm_head.weight.device)  # the RoPE tables were built on the CPU

@@ -8,7 +8,8 @@ A draft forward takes, per position, a hidden input (target features for catch-u
 step's feedback otherwise), the next token, its RoPE position, the draft-cache slot it writes, and an additive
 mask over draft-cache slots. It returns the feedback carried to the next step and the head input (`norm(o)`),
 from which `top_k` gives the k most likely next tokens (log-probabilities over the draft vocabulary, best
-first, and the tokens mapped to target ids through d2t).
+first, and the tokens mapped to target ids through d2t). `fill` writes only the draft KV of positions whose
+outputs nobody reads (the prompt's catch-up, all but its last position).
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ class Drafter(Protocol):
     def forward(self, state: Any, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                 write_slots: torch.Tensor, mask: torch.Tensor, *, fuse: bool
                 ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def fill(self, state: Any, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+             write_slots: torch.Tensor) -> None: ...
 
     def top_k(self, head_input: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -50,6 +54,11 @@ class EagleDrafter:
             hidden = self.model.fuse(hidden)   # [B, T, A*Ht] -> [B, T, H]
         out = self.model(tokens, hidden, positions, state, write_slots, mask)
         return out.feedback, out.normed
+
+    @torch.no_grad()
+    def fill(self, state, hidden, tokens, positions, write_slots) -> None:
+        """The K/V of target features `hidden [B, T, A*Ht]` at these positions (fused first), nothing else."""
+        self.model.fill(tokens, self.model.fuse(hidden), positions, state, write_slots)
 
     @torch.no_grad()
     def top_k(self, head_input: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -46,6 +46,14 @@ def kernel_choices(device: torch.device | str = "cuda",
     return choices
 
 
+def eager_calls() -> dict:
+    """op overload -> its Python implementation, for graphs that run as FX code (`Lowering` "eager"): a call
+    through the dispatcher costs ~20 us on top of the implementation, and these ops run once per layer."""
+    ops = torch.ops.eagle31
+    impls = {ops.tree_attention: tree_attention.tree_attention_impl, ops.kv_write: kv_write.kv_write_reference}
+    return {**impls, **{packet.default: fn for packet, fn in impls.items()}}
+
+
 #: ops that run torch code on every device, and why
 TORCH_ONLY = {"kv_write": "a scatter of the new rows; torch's runs on every device (no Triton kernel)"}
 

@@ -39,11 +39,7 @@ def kv_write_reference(keys: torch.Tensor, values: torch.Tensor, slots: torch.Te
     values.scatter_(2, index, v.to(values.dtype))
 
 
-@torch.library.custom_op("eagle31::kv_write", mutates_args=("keys", "values"))
-def kv_write(keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
-             v: torch.Tensor) -> None:
-    """In place: the new tokens' K/V into their slots (see the module doc)."""
-    kv_write_reference(keys, values, slots, k, v)
+kv_write = torch.library.custom_op("eagle31::kv_write", kv_write_reference, mutates_args=("keys", "values"))
 
 
 @kv_write.register_fake

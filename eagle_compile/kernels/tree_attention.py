@@ -180,38 +180,73 @@ def tree_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 
 def tree_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, base: torch.Tensor,
                        local: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """Prefix and block attention with torch's flash kernel, merged by log-sum-exp (reads only live slots).
+    """Attention over the live slots with torch's CPU flash kernel (shapes as `tree_attention_reference`).
 
-    Shapes as `tree_attention_reference`. Each part is a flash call whose logsumexp `lse` makes the merge exact
-    in real arithmetic: out = sum_p exp(lse_p - m) out_p / sum_p exp(lse_p - m). A part a query cannot see at
-    all is given lse = -inf (the flash kernel reports 0 for an all-masked row).
+    Keys past the longest row's block end (`max(base) + W`) are never read. Small blocks (one-token steps,
+    verify trees, draft levels) are one flash call over `[0, max(base) + W)`: with no mask at all when every
+    row is a one-token step at the same base, else with the live part of the `visible_slots` mask. Large
+    blocks (prefill chunks) are two calls whose log-sum-exps `lse` merge them exactly in real arithmetic,
+    out = sum_p exp(lse_p - m) out_p / sum_p exp(lse_p - m): the prefix (no mask when the rows share a base)
+    and the block (`is_causal`, or its local mask), so no [T, S] mask is ever built for them. A part a query
+    cannot see at all is given lse = -inf (the flash kernel reports 0 for an all-masked row).
     """
     _check(q, k_cache, v_cache, base, local)
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-    b, hkv, hd = q.shape[0], k_cache.shape[1], q.shape[3]
     t = q.shape[2]
     width = block_width(t, local)
     lo, hi = int(base.min()), int(base.max())           # host reads; CPU tensors, so no device round trip
+    end = hi + width
+    if local is None and t == 1 and lo == hi:
+        return _like_q(_flash(q, k_cache[:, :, :end], v_cache[:, :, :end], scale, None)[0], q)
+    if t * end <= SMALL_BLOCK_ELEMENTS:
+        mask = visible_slots(base, local, t, end)[:, None]                           # [B, 1, T, end]
+        out, lse = _flash(q, k_cache[:, :, :end], v_cache[:, :, :end], scale, mask)
+        return _like_q(out.masked_fill(torch.isneginf(lse)[..., None], 0.0), q)
+    return _like_q(_split(q, k_cache, v_cache, base, local, scale, lo, hi, width), q)
+
+
+#: a block whose live mask has at most this many elements a row runs as one masked flash call
+SMALL_BLOCK_ELEMENTS = 1 << 16
+
+
+def _flash(q, k, v, scale: float, visible: torch.Tensor | None, causal: bool = False):
+    """(out [B, Hq, T, hd] in q's dtype and layout, lse [B, Hq, T] with -inf where a query saw nothing)."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    mask = None if visible is None else _additive(visible, q.dtype)
+    out, lse = flash(q, k, v, is_causal=causal, attn_mask=mask, scale=scale)[:2]
+    if visible is not None:
+        lse = lse.masked_fill(~visible.any(-1), float("-inf"))
+    return out, lse
+
+
+def _like_q(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """`out` laid out like `torch.empty_like(q)` (the fake's layout; HF's queries are [B, T, H, hd] in memory, so
+    the model's transpose back after attention is then free): copied only if it is not already."""
+    like = torch.empty_like(q)
+    if out.stride() == like.stride() and out.dtype == q.dtype:
+        return out
+    return like.copy_(out)
+
+
+def _split(q, k_cache, v_cache, base, local, scale, lo: int, hi: int, width: int) -> torch.Tensor:
+    """Prefix and block as two flash calls merged by log-sum-exp (see `tree_attention_cpu`)."""
+    b, hkv, hd = q.shape[0], k_cache.shape[1], q.shape[3]
     if lo == hi:
         k_block, v_block = k_cache[:, :, lo:lo + width], v_cache[:, :, lo:lo + width]
     else:
         index = (base[:, None] + torch.arange(width, device=base.device))[:, None, :, None]
         index = index.expand(b, hkv, width, hd)
         k_block, v_block = k_cache.gather(2, index), v_cache.gather(2, index)
-    if local is None:
-        out_b, lse_b = flash(q, k_block, v_block, is_causal=True, scale=scale)[:2]
+    if local is None:                                    # causal: every query sees itself, lse is finite
+        out_b, lse_b = _flash(q, k_block, v_block, scale, None, causal=True)
+        if hi == 0:
+            return out_b
     else:
-        out_b, lse_b = flash(q, k_block, v_block, attn_mask=_additive(local[:, None], q.dtype), scale=scale)[:2]
-        lse_b = lse_b.masked_fill(~local.any(-1)[:, None], float("-inf"))
+        out_b, lse_b = _flash(q, k_block, v_block, scale, local[:, None])
     if hi == 0:
-        return out_b.masked_fill(torch.isneginf(lse_b)[..., None], 0.0).to(q.dtype).contiguous()
-    prefix_mask = None
-    if lo != hi:
-        prefix_mask = _additive((torch.arange(hi, device=base.device) < base[:, None])[:, None, None, :], q.dtype)
-    out_p, lse_p = flash(q, k_cache[:, :, :hi], v_cache[:, :, :hi], attn_mask=prefix_mask, scale=scale)[:2]
-    if lo == 0:
-        lse_p = lse_p.masked_fill((base == 0)[:, None, None], float("-inf"))
-    return _merge(out_p, lse_p, out_b, lse_b).to(q.dtype).contiguous()
+        return out_b.masked_fill(torch.isneginf(lse_b)[..., None], 0.0)
+    prefix = None if lo == hi else (torch.arange(hi, device=base.device) < base[:, None])[:, None, None, :]
+    out_p, lse_p = _flash(q, k_cache[:, :, :hi], v_cache[:, :, :hi], scale, prefix)
+    return _merge(out_p, lse_p, out_b, lse_b).to(q.dtype)
 
 
 def _merge(out_a, lse_a, out_b, lse_b) -> torch.Tensor:
@@ -221,8 +256,7 @@ def _merge(out_a, lse_a, out_b, lse_b) -> torch.Tensor:
     m = torch.where(torch.isneginf(m), 0.0, m)                    # both parts empty: weights 0, output 0
     wa, wb = (lse_a - m).exp()[..., None], (lse_b - m).exp()[..., None]
     total = wa + wb
-    merged = (out_a.to(acc) * wa + out_b.to(acc) * wb) / torch.where(total > 0, total, 1.0)
-    return merged
+    return (out_a.to(acc) * wa + out_b.to(acc) * wb) / torch.where(total > 0, total, 1.0)
 
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -264,7 +298,7 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         interpret = q.device.type != "cuda" or _dispatch.interpreter_requested()
     group = hq // hkv
     if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        out = torch.empty_like(q)
     block_d = max(16, _dispatch.next_power_of_2(hd))
     row = block_d * q.element_size()
     if block_m is None:
@@ -287,23 +321,25 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     return out
 
 
-@torch.library.custom_op("eagle31::tree_attention", mutates_args=())
-def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, base: torch.Tensor,
-                   local: torch.Tensor | None, scale: float) -> torch.Tensor:
+def tree_attention_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, base: torch.Tensor,
+                        local: torch.Tensor | None, scale: float) -> torch.Tensor:
     """[B,Hq,T,hd] attention of a block of queries over the live part of the cache (see the module doc)."""
     choice = _dispatch.choose(q.device, q.dtype)
     if choice.impl == _dispatch.REFERENCE:
         if q.device.type == "cpu":
             return tree_attention_cpu(q, k_cache, v_cache, base, local, scale)
-        return tree_attention_reference(q, k_cache, v_cache, base, local, scale).contiguous()
+        return _like_q(tree_attention_reference(q, k_cache, v_cache, base, local, scale), q)
     return tree_attention_triton(q, k_cache, v_cache, base, local, scale,
                                  interpret=choice.impl == _dispatch.INTERPRETER)
+
+
+tree_attention = torch.library.custom_op("eagle31::tree_attention", tree_attention_impl, mutates_args=())
 
 
 @tree_attention.register_fake
 def _(q, k_cache, v_cache, base, local, scale):
     _check(q, k_cache, v_cache, base, local)
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
+    return torch.empty_like(q)
 
 
 @torch.library.custom_op("eagle31::slot_mask", mutates_args=())

@@ -16,7 +16,9 @@ The host reads only `accept_len` and the emitted tokens once per cycle (to apply
 
 Prefill (`_prefill`) covers the longest prompt with chunks from a small menu of static sizes (`prefill_plan`),
 each one causal block over the live slots; the draft's catch-up over the prompt runs per chunk, as a block of
-the same size, right after the target's chunk that produced its features.
+the same size, right after the target's chunk that produced its features. It writes only the draft's K/V
+(`fill_draft`): nothing reads a draft output before the prompt's last position, whose full draft forward runs
+once the first token is known.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from eagle_compile.runtime.masks import SlotMask
 from eagle_compile.runtime.plain_step import PlainStep
 from eagle_compile.runtime.sampling import SamplingParams, target_probs
 from eagle_compile.runtime.stats import GenerationStats
-from eagle_compile.runtime.step import SpeculativeStep, StepState, catch_up, traced_target_forward
+from eagle_compile.runtime.step import SpeculativeStep, StepState, catch_up, fill_draft, traced_target_forward
 from eagle_compile.runtime.step_program import StepProgram
 from eagle_compile.runtime.stopping import StopChecker
 from eagle_compile.runtime.target_program import TargetProgram
@@ -155,7 +157,7 @@ class SpeculativeDecoder:
         for phase, seconds in self.timings.items():
             setattr(stats, f"{phase}_time", seconds - timings_before.get(phase, 0.0))
         stats.graphs_captured = self.graphs_captured
-        stats.compile_time = sum(self.lowering.compile_seconds)
+        stats.compile_time = self.lowering.compile_seconds
         return stats
 
     def _tree_stats(self) -> dict:
@@ -248,9 +250,9 @@ class SpeculativeDecoder:
             last_logits = picked if last_logits is None else torch.where(here, picked, last_logits)
             at_last = feats.gather(1, idx[:, :, None].expand(-1, 1, feats.shape[-1]))[:, 0]
             last_feats = at_last if last_feats is None else torch.where(here, at_last, last_feats)
-            if self.speculate:                                           # pairs (feature p, token p+1), p < last
-                catch_up(self.drafter, draft_kv, cache.slots, feats, tokens[:, start + 1:start + size + 1],
-                         torch.full_like(lengths, start), torch.minimum(last - 1, pos[:, -1]))
+            if self.speculate:                             # draft KV of pairs (feature p, token p+1), p < last
+                fill_draft(self.drafter, draft_kv, cache.slots, feats, tokens[:, start + 1:start + size + 1],
+                           torch.full_like(lengths, start), torch.minimum(last - 1, pos[:, -1]))
         first = self._sample_one(last_logits, sampling, generator)      # [B]
         for b in range(len(stopper.generated)):
             if bool(active[b]):

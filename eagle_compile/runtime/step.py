@@ -126,6 +126,18 @@ class SpeculativeStep:
         return verify_sample(tree, target_probs(logits, self.sampling), uniforms, final_uniform)
 
 
+def fill_draft(drafter: Drafter, draft_kv, d_slots: int, features: torch.Tensor, tokens: torch.Tensor,
+               base: torch.Tensor, last: torch.Tensor) -> None:
+    """The K/V half of `catch_up`, for columns whose outputs nobody reads (a prompt's catch-up before its last
+    position): the draft KV of pairs (feature at base+j, token at base+j+1), j = 0..last-base, and nothing else.
+
+    Args: as `catch_up`.
+    """
+    pos = base[:, None] + torch.arange(tokens.shape[1], device=tokens.device)
+    real = pos <= last[:, None]
+    drafter.fill(draft_kv, features, tokens, torch.where(real, pos, 0), torch.where(real, pos, d_slots - 1))
+
+
 def catch_up(drafter: Drafter, draft_kv, d_slots: int, features: torch.Tensor, tokens: torch.Tensor,
              base: torch.Tensor, last: torch.Tensor, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Re-sync the draft from the target: pairs (feature at base+j, token at base+j+1) for j = 0..last-base,

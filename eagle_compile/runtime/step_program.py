@@ -65,7 +65,7 @@ class StepProgram:
                           kernels=self.kernels, kernels_reason=reason)
         gm = run_passes(gm, ctx, STEP_PASSES)
         self.contexts.append(ctx)
-        return self.lowering.compile(gm, example_inputs, ctx)
+        return self.lowering.compile(gm, example_inputs)
 
     def __call__(self, state: StepState, cache, draft_kv, uniforms, final_uniform):
         self._args = (state, cache, uniforms)      # read only if this call (re)captures the graph

@@ -30,7 +30,7 @@ class TargetProgram:
     Logits are `[B, T, V]`, or with `keep` (`[B, K]` int64 positions per row, HF's ``logits_to_keep``)
     `[B, K, V]`: only those positions go through the lm_head. Prefill needs one position a row, and the lm_head
     over every position of a chunk is a large share of a prefill forward (V = 49,152 for SmolLM2). A call with
-    `keep` is its own captured graph.
+    `keep` is its own captured graph, lowered as a prefill program (`eagle_compile.lowering`).
     """
 
     def __init__(self, model: torch.nn.Module, capture_indices: tuple[int, ...] | None, *,
@@ -40,6 +40,7 @@ class TargetProgram:
         self.lowering = lowering or eager_lowering()
         self.contexts: list[PassContext] = []
         self._last_taps: tuple[torch.Tensor, ...] | None = None
+        self._kind = "step"                # "prefill" for calls with `keep` (read if the call (re)captures)
         self._compiled = torch.compile(self._forward, backend=self._backend, fullgraph=True, dynamic=False,
                                        recompile_limit=recompile_limit, isolate_recompiles=True)
 
@@ -56,7 +57,7 @@ class TargetProgram:
         gm = run_passes(gm, ctx)
         self.contexts.append(ctx)
         self.capture_indices = ctx.capture_indices
-        run = self.lowering.compile(gm, example_inputs, ctx)
+        run = self.lowering.compile(gm, example_inputs, self._kind)
         n_out = ctx.num_original_outputs
 
         def split_taps(*args):
@@ -70,8 +71,8 @@ class TargetProgram:
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: SlotMask,
                  write_slots: torch.Tensor, cache: SlotKVCache,
                  keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        self._last_taps = None
-        with self.lowering.tracing():
+        self._last_taps, self._kind = None, ("step" if keep is None else "prefill")
+        with self.lowering.tracing(self._kind):
             logits = self._compiled(input_ids, position_ids, mask.base, mask.local, mask.slots, write_slots, cache,
                                     keep)
         taps, self._last_taps = self._last_taps, None

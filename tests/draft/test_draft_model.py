@@ -325,3 +325,15 @@ def test_new_kv_shape_dtype_device(tiny):
     assert kv.keys.shape == kv.values.shape == (3, 2, 9, 8)
     assert kv.keys.dtype == torch.float64 and not kv.keys.any() and not kv.values.any()
     assert model.new_kv(1, 2, dtype=torch.float32).values.dtype == torch.float32
+
+
+def test_fill_writes_exactly_the_kv_forward_writes(tiny):
+    """`fill` (the prompt catch-up's K/V-only path) leaves the cache as `forward` leaves it, bit for bit."""
+    model = tiny.model(seed=12, fc_norm=True, norm_output=True)
+    ids, feats = torch.randint(0, 64, (2, 5)), tiny.features(model.config, 2, 5)
+    pos = torch.arange(5).expand(2, 5) + 1
+    full, kv_only = model.new_kv(2, 8), model.new_kv(2, 8)
+    model(ids, model.fuse(feats), pos, full, pos.clone(), tiny.causal_slot_mask(pos, 8))
+    model.fill(ids, model.fuse(feats), pos, kv_only, pos.clone())
+    assert torch.equal(full.keys, kv_only.keys) and torch.equal(full.values, kv_only.values)
+    assert kv_only.keys[:, :, 1:6].abs().sum() > 0 and (kv_only.keys[:, :, 6:] == 0).all()

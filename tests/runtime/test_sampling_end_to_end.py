@@ -44,11 +44,11 @@ def _analytic(target, prompt):
     return p1[:, None] * p2                     # [V, V]
 
 
-def _sample(target, head, prompt):
+def _sample(target, head, prompt, **options):
     torch.manual_seed(1234)
     out = eagle_compile.generate(target, prompt.repeat(ROWS, 1), draft=head, max_new_tokens=2,
                                  options={"depth": 3, "top_k": 2, "total_tokens": 6, "prefill_chunk": 8,
-                                          "batch_buckets": (ROWS,)},
+                                          "batch_buckets": (ROWS,), **options},
                                  return_dict_in_generate=True, **SAMPLING)
     pairs = out.sequences[:, -2:]
     counts = torch.zeros(V, V, dtype=torch.float64)
@@ -84,3 +84,22 @@ def test_negative_control_eager_acceptance_is_detected(setup, monkeypatch):
     monkeypatch.setattr(step_module, "verify_sample", accept_every_draft_with_mass)
     counts, _ = _sample(target, head, prompt)
     assert _p_value(counts, joint) < 1e-6
+
+
+def test_plain_mode_samples_the_target_distribution(setup):
+    """Speculation off: the second token comes from the plain step's inverse-CDF draw."""
+    target, head, prompt, joint = setup
+    counts, stats = _sample(target, head, prompt, speculate=False)
+    assert not stats.speculate and stats.cycles == 1
+    assert counts[joint == 0].sum() == 0, "a token top-k / top-p removed was emitted"
+    assert _p_value(counts, joint) > 1e-3
+    assert 0.5 * (counts / ROWS - joint).abs().sum() < 2.0 * (V * V / ROWS) ** 0.5
+
+
+def test_negative_control_plain_mode_without_the_warpers_is_detected(setup, monkeypatch):
+    import eagle_compile.runtime.plain_step as plain_module
+
+    target, head, prompt, joint = setup
+    monkeypatch.setattr(plain_module, "target_probs", lambda logits, params: torch.softmax(logits, -1))
+    counts, _ = _sample(target, head, prompt, speculate=False)
+    assert counts[joint == 0].sum() > 100, "the broken step emits tokens top-k / top-p removed"

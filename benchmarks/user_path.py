@@ -1,0 +1,191 @@
+"""What a new user sees: eagle31 the README's way against HF `model.generate`, side by side in one process.
+
+    python benchmarks/user_path.py --threads 1
+    python benchmarks/user_path.py --threads 2 --sections chat,long,batch
+
+The script uses only the public API (`torch.compile(model, backend="eagle31", options=...)`, `.generate`,
+`eagle_compile.load_draft`), so the same file runs against an older checkout for a before/after comparison:
+`PYTHONPATH=<old checkout> python benchmarks/user_path.py ...` (it prints which `eagle_compile` it imported).
+
+Sections (float32, greedy, the shipped head; every eagle31 output is compared with HF's, exit 1 on a mismatch):
+
+* `chat`: `--chat-prompts` Spec-Bench MT-bench first turns (evaluation prompts, chat template) x `--new-tokens`,
+  batch 1, for each eagle31 configuration in `--configs`: `readme` = `options={"draft": head}` and nothing else
+  (whatever tree that gives), `tree.json` = the shape in the tree.json beside the head given explicitly.
+* `long`: one LEval government report cut to `--long-lengths` tokens x `--long-new-tokens`, `readme` options.
+* `batch`: `--batches` rows of MT-bench first turns, left padded, `readme` options, against HF batched generate.
+
+Each eagle31 configuration warms up once per shape (captures, not timed), then the eagle31 and HF calls of every
+prompt run interleaved for `--rounds` rounds; the speedup is total HF time / total eagle31 time. Outputs in --out:
+user_path.json and user_path.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import (
+    DEFAULT_DATA_DIR,
+    DEFAULT_OUT_DIR,
+    chat_ids,
+    environment,
+    interleaved_times,
+    markdown_table,
+    print_load,
+    set_threads,
+    write_json,
+)
+
+SECTIONS = ("chat", "long", "batch")
+SHAPE_KEYS = ("depth", "top_k", "total_tokens", "chain")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sections", default=",".join(SECTIONS))
+    p.add_argument("--configs", default="readme,tree.json")
+    p.add_argument("--chat-prompts", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=96)
+    p.add_argument("--long-lengths", default="1024,3072,6144")
+    p.add_argument("--long-new-tokens", type=int, default=48)
+    p.add_argument("--batches", default="4,16")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA_DIR)
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT_DIR)
+    p.add_argument("--label", default="", help="a name for this run in the outputs (e.g. before / after)")
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args(argv)
+    args.sections = args.sections.split(",")
+    args.configs = args.configs.split(",")
+    args.long_lengths = [int(x) for x in args.long_lengths.split(",")]
+    args.batches = [int(x) for x in args.batches.split(",")]
+    return args
+
+
+def config_options(name: str, head, folder: Path) -> dict[str, Any]:
+    if name == "readme":
+        return {"draft": head}
+    if name == "tree.json":
+        tree = json.loads((folder / "tree.json").read_text())
+        return {"draft": head, **{k: tree[k] for k in SHAPE_KEYS if k in tree}}
+    raise SystemExit(f"--configs: unknown {name!r} (readme, tree.json)")
+
+
+def mt_bench(tokenizer, data: Path, count: int) -> list[torch.Tensor]:
+    rows = [json.loads(line) for line in (data / "spec_bench" / "question.jsonl").read_text().splitlines()]
+    turns = [r["turns"][0] for r in rows if 81 <= r["question_id"] <= 160][:count]
+    return [chat_ids(tokenizer, t) for t in turns]
+
+
+def report(tokenizer, data: Path, length: int) -> torch.Tensor:
+    with (data / "long_context" / "leval" / "gov_report_summ.jsonl").open() as f:
+        for line in f:
+            ids = tokenizer(json.loads(line)["input"], return_tensors="pt")["input_ids"]
+            if ids.shape[1] >= length:
+                return ids[:, :length]
+    raise SystemExit(f"no government report has {length} tokens")
+
+
+def left_pad(prompts: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(p.shape[1] for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - p.shape[1]:], mask[i, width - p.shape[1]:] = p[0], 1
+    return ids, mask
+
+
+def compare(model, compiled, cases: list[tuple[torch.Tensor, torch.Tensor | None]], new: int, rounds: int) -> dict:
+    """Total seconds of HF and eagle31 over `cases` (interleaved), exactness, tau and eagle31's prefill share."""
+    eagle_stats = []
+
+    def eagle(ids, mask):
+        out = compiled.generate(ids, attention_mask=mask, max_new_tokens=new, return_dict_in_generate=True)
+        eagle_stats.append(out.stats)
+        return out.sequences
+
+    def hf(ids, mask):
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+
+    exact = 0
+    for ids, mask in cases:                               # warm-up (capture), and the exactness check
+        exact += int(torch.equal(eagle(ids, mask), hf(ids, mask)))
+    eagle_stats.clear()
+    calls = {}
+    for i, (ids, mask) in enumerate(cases):
+        calls[("eagle31", i)] = lambda ids=ids, mask=mask: eagle(ids, mask)
+        calls[("hf", i)] = lambda ids=ids, mask=mask: hf(ids, mask)
+    times = interleaved_times(calls, repeats=rounds, warmup=0)
+    total = {m: sum(v["median"] for (who, _), v in times.items() if who == m) for m in ("eagle31", "hf")}
+    lengths = [n for s in eagle_stats for n in s.acceptance_lengths]
+    return {"exact": exact, "cases": len(cases), "hf_s": total["hf"], "eagle31_s": total["eagle31"],
+            "speedup": total["hf"] / total["eagle31"], "tau": sum(lengths) / max(1, len(lengths)),
+            "prefill_s": sum(s.prefill_time for s in eagle_stats) / max(1, rounds),
+            "tree": eagle_stats[-1].tree if eagle_stats else None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_grad_enabled(False)
+    set_threads(args.threads)
+    load_before = print_load("before")
+    import eagle_compile
+    from eagle_compile.heads import shipped_head
+
+    print(f"eagle_compile from {Path(eagle_compile.__file__).parent}", flush=True)
+    model, tokenizer = eagle_compile.load_default_target(torch.float32)
+    folder = shipped_head()
+    head = eagle_compile.load_draft(folder, target=model, dtype=torch.float32)
+    rows = []
+
+    def run(section: str, config: str, cases, new: int, what: str) -> None:
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="eagle31", options=config_options(config, head, folder))
+        row = {"section": section, "config": config, "what": what, "new_tokens": new,
+               **compare(model, compiled, cases, new, args.rounds)}
+        rows.append(row)
+        print(f"  {section} {config} {what}: {row['speedup']:.2f}x HF (HF {row['hf_s']:.1f} s, eagle31 "
+              f"{row['eagle31_s']:.1f} s, prefill {row['prefill_s']:.1f} s), tau {row['tau']:.2f}, exact "
+              f"{row['exact']}/{row['cases']}, tree {row['tree']}", flush=True)
+
+    if "chat" in args.sections:
+        cases = [(ids, None) for ids in mt_bench(tokenizer, args.data, args.chat_prompts)]
+        for config in args.configs:
+            run("chat", config, cases, args.new_tokens, f"{len(cases)} MT-bench prompts")
+    if "long" in args.sections:
+        for length in args.long_lengths:
+            run("long", "readme", [(report(tokenizer, args.data, length), None)], args.long_new_tokens,
+                f"{length}-token report")
+    if "batch" in args.sections:
+        for batch in args.batches:
+            ids, mask = left_pad(mt_bench(tokenizer, args.data, batch), tokenizer.pad_token_id or 0)
+            run("batch", "readme", [(ids, mask)], args.new_tokens, f"batch {batch}")
+    result = {"label": args.label, "environment": environment(), "load_before": load_before,
+              "load_after": print_load("after"), "rows": rows,
+              "eagle_compile": str(Path(eagle_compile.__file__).parent),
+              "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = "user_path" + (f".{args.label}" if args.label else "")
+    write_json(args.out / f"{stem}.json", result)
+    env = result["environment"]
+    text = "\n".join([
+        f"user path{f' ({args.label})' if args.label else ''}: eagle_compile from `{result['eagle_compile']}`, "
+        f"torch {env['torch']}, {torch.get_num_threads()} threads, load {load_before['loadavg_1m']} / "
+        f"{result['load_after']['loadavg_1m']}; `{env['command']}`", "",
+        markdown_table(["section", "eagle31 options", "prompts", "new tokens", "HF s", "eagle31 s", "speedup",
+                        "eagle31 prefill s", "tau", "exact", "tree"],
+                       [[r["section"], r["config"], r["what"], r["new_tokens"], f"{r['hf_s']:.1f}",
+                         f"{r['eagle31_s']:.1f}", f"{r['speedup']:.2f}x", f"{r['prefill_s']:.1f}", f"{r['tau']:.2f}",
+                         f"{r['exact']}/{r['cases']}", json.dumps(r["tree"])] for r in rows])])
+    (args.out / f"{stem}.md").write_text(text + "\n")
+    print("\n" + text, flush=True)
+    return 0 if all(r["exact"] == r["cases"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
