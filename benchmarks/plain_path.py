@@ -70,6 +70,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list out of {','.join(SECTIONS)}")
     p.add_argument("--lowerings", default="auto", help="eagle31 lowerings (see the docstring)")
+    p.add_argument("--prefill-lowerings", default="auto",
+                   help="lowerings of the prefill section (prefill graphs run as FX graphs under every lowering)")
     p.add_argument("--prefill-lengths", default="1024,3072,6144")
     p.add_argument("--prefill-batches", default="1,8")
     p.add_argument("--prefixes", default="512,2048,6144")
@@ -91,6 +93,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("prefill_lengths", "prefill_batches", "prefixes", "tokens", "plain_batches"):
         setattr(args, name, [int(x) for x in getattr(args, name).split(",")])
     args.lowerings = [x.strip() for x in args.lowerings.split(",")]
+    args.prefill_lowerings = [x.strip() for x in args.prefill_lowerings.split(",")]
     return args
 
 
@@ -123,7 +126,8 @@ class Journal:
 def run_key(args, model) -> dict[str, Any]:
     return {"threads": torch.get_num_threads(), "rounds": args.rounds, "new_tokens": args.new_tokens,
             "hf_inductor": args.hf_inductor, "commit": git_commit()["commit"],
-            "lowerings": {spec: make_lowering(model, spec).describe() for spec in args.lowerings}}
+            "lowerings": {spec: make_lowering(model, spec).describe()
+                          for spec in args.lowerings + args.prefill_lowerings}}
 
 
 # -- lowerings ---------------------------------------------------------------------------------------------------
@@ -179,7 +183,7 @@ def section_prefill(model, tokenizer, head, args, journal: Journal) -> list[dict
     import eagle_compile
 
     rows = []
-    for spec in args.lowerings:
+    for spec in args.prefill_lowerings:
         options = lowering_options(spec)
         for batch in args.prefill_batches:
             for length in args.prefill_lengths:

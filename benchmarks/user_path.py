@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -129,6 +130,12 @@ def compare(model, compiled, cases: list[tuple[torch.Tensor, torch.Tensor | None
             "tree": eagle_stats[-1].tree if eagle_stats else None}
 
 
+def package_commit(package_dir: Path) -> str | None:
+    """The git commit of the checkout `eagle_compile` was imported from (an older worktree for a 'before')."""
+    done = subprocess.run(["git", "-C", str(package_dir), "rev-parse", "HEAD"], capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_grad_enabled(False)
@@ -168,13 +175,15 @@ def main(argv: list[str] | None = None) -> int:
     result = {"label": args.label, "environment": environment(), "load_before": load_before,
               "load_after": print_load("after"), "rows": rows,
               "eagle_compile": str(Path(eagle_compile.__file__).parent),
+              "eagle_compile_commit": package_commit(Path(eagle_compile.__file__).parent),
               "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "user_path" + (f".{args.label}" if args.label else "")
     write_json(args.out / f"{stem}.json", result)
     env = result["environment"]
     text = "\n".join([
-        f"user path{f' ({args.label})' if args.label else ''}: eagle_compile from `{result['eagle_compile']}`, "
+        f"user path{f' ({args.label})' if args.label else ''}: eagle_compile from `{result['eagle_compile']}` "
+        f"(commit {(result['eagle_compile_commit'] or '?')[:7]}), "
         f"torch {env['torch']}, {torch.get_num_threads()} threads, load {load_before['loadavg_1m']} / "
         f"{result['load_after']['loadavg_1m']}; `{env['command']}`", "",
         markdown_table(["section", "eagle31 options", "prompts", "new tokens", "HF s", "eagle31 s", "speedup",

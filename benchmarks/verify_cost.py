@@ -46,7 +46,8 @@ What it measures, in order:
 Outputs in --out (default bench_out/): verify_cost.json (everything, with machine load before/after, versions,
 commit, command), verify_cost.md (tables, paste verbatim), verify_cost.png (c(N)/c(1) curves; predicted speedup
 of the best shapes), and the chosen shape as eagle31 options in --tree-out (default <out>/tree.json; put it beside
-the head, where benchmarks/spec_bench.py and users pick it up). The head used is stated everywhere; with the
+the head, where eagle31 picks it up as the default tree for CPU targets of --choose-dtype: the file says so in
+its `chosen_for` record, eagle_compile/draft/tree_file.py). The head used is stated everywhere; with the
 untrained fallback head nothing is accepted and the choice is the cheapest chain, which the outputs say.
 """
 
@@ -530,16 +531,21 @@ def main(argv: list[str] | None = None) -> int:
                                                                                              ref["prefix"]]}
     result = {"meta": meta, "cost_curves": curves, "draft_cost_s": draft, "draft_cost_relative": draft_rel,
               "acceptance": acceptance, "choice": choice, "tree_out": str(tree_out)}
-    write_outputs(args.out, tree_out, result)
+    write_outputs(args.out, tree_out, result, getattr(torch, args.choose_dtype))
     return 0
 
 
-def write_outputs(out: Path, tree_out: Path, result: dict) -> None:
+def write_outputs(out: Path, tree_out: Path, result: dict, dtype: torch.dtype) -> None:
+    from eagle_compile.draft.tree_file import write_tree_file
+
     write_json(out / "verify_cost.json", result)
     md = markdown(result)
     (out / "verify_cost.md").write_text(md)
     plot(result, out / "verify_cost.png")
-    write_json(tree_out, result["choice"]["best"]["options"])
+    env = result["meta"]["environment"]
+    write_tree_file(tree_out, result["choice"]["best"]["options"], device="cpu", dtype=dtype,
+                    by=f"benchmarks/verify_cost.py (commit {env['git']['commit']}, {env['processor']})",
+                    command=env["command"])
     print("\n" + md, flush=True)
     print(f"tree.json: {json.dumps(result['choice']['best']['options'])} -> {tree_out}", flush=True)
     print(f"wrote {out / 'verify_cost.json'}, {out / 'verify_cost.md'}, {out / 'verify_cost.png'}", flush=True)
