@@ -173,7 +173,7 @@ class Methods:
 
     def shape_key(self, prompt_len: int) -> tuple:
         """What the captured graphs specialise on: the static cache size and the prefill chunk sizes used."""
-        from eagle_compile.runtime.decoder import prefill_plan
+        from eagle_compile.runtime.prefill_plan import prefill_plan
 
         sizes = frozenset(size for _, size in prefill_plan(prompt_len, self.parsed.prefill_chunk))
         return self.cache_slots(prompt_len), sizes

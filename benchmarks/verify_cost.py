@@ -123,8 +123,8 @@ def cache_slots(prefix: int, largest: int) -> int:
 def prefill(program, cache, prefix: int, generator: torch.Generator) -> None:
     """Write `prefix` random tokens into the cache through the program, in chunks as the decoder's prefill does."""
     from eagle_compile.options import EagleOptions
-    from eagle_compile.runtime.decoder import prefill_plan
     from eagle_compile.runtime.masks import SlotMask
+    from eagle_compile.runtime.prefill_plan import prefill_plan
 
     vocab = program.model.config.vocab_size
     for start, size in prefill_plan(prefix, EagleOptions().prefill_chunk):

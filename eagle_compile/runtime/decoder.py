@@ -14,7 +14,7 @@ pairs (feature at p, token p+1) for p = 0..n-2 (EAGLE31_SPEC.md §4.1). One cycl
 With `speculate=False` a cycle is one plain step (`runtime/plain_step.py`) and nothing of the draft runs.
 The host reads only `accept_len` and the emitted tokens once per cycle (to apply stops).
 
-Prefill (`_prefill`) covers the longest prompt with chunks from a small menu of static sizes (`prefill_plan`),
+Prefill (`_prefill`) covers the longest prompt with chunks from a small menu of static sizes (`prefill_plan.py`),
 each one causal block over the live slots; the draft's catch-up over the prompt runs per chunk, as a block of
 the same size, right after the target's chunk that produced its features. It writes only the draft's K/V
 (`fill_draft`): nothing reads a draft output before the prompt's last position, whose full draft forward runs
@@ -38,6 +38,7 @@ from eagle_compile.runtime.cuda_graphs import BucketBuffers, CudaGraphRuntime, G
 from eagle_compile.runtime.kv_cache import SlotKVCache
 from eagle_compile.runtime.masks import SlotMask
 from eagle_compile.runtime.plain_step import PlainStep
+from eagle_compile.runtime.prefill_plan import prefill_plan
 from eagle_compile.runtime.sampling import SamplingParams, target_probs
 from eagle_compile.runtime.stats import GenerationStats
 from eagle_compile.runtime.step import SpeculativeStep, StepState, catch_up, fill_draft, traced_target_forward
@@ -45,34 +46,6 @@ from eagle_compile.runtime.step_program import StepProgram
 from eagle_compile.runtime.stopping import StopChecker
 from eagle_compile.runtime.target_program import TargetProgram
 from eagle_compile.runtime.verify import draw_uniforms
-
-#: the smallest prefill chunk; chunk sizes are prefill_chunk, prefill_chunk // 4, ... down to this
-MIN_PREFILL_CHUNK = 16
-
-
-def prefill_chunk_sizes(largest: int) -> tuple[int, ...]:
-    """The static chunk sizes a prefill may use, largest first (at most log4(largest / 16) + 1 of them)."""
-    sizes = [largest]
-    while sizes[-1] // 4 >= MIN_PREFILL_CHUNK:
-        sizes.append(sizes[-1] // 4)
-    return tuple(sizes)
-
-
-def prefill_plan(length: int, largest: int) -> list[tuple[int, int]]:
-    """(start, size) chunks covering `length` prompt positions: the largest size that fits the rest, then
-    smaller ones; the last chunk is padded (less than the smallest size is wasted).
-
-    >>> prefill_plan(600, 512)
-    [(0, 512), (512, 32), (544, 32), (576, 32)]
-    """
-    sizes = prefill_chunk_sizes(largest)
-    plan, start = [], 0
-    while start < length:
-        rest = length - start
-        size = next((s for s in sizes if s <= rest), sizes[-1])
-        plan.append((start, size))
-        start += size
-    return plan
 
 
 class SpeculativeDecoder:

@@ -11,7 +11,7 @@ from tiny import ARCHS, ScriptedDrafter, greedy_reference, ragged, random_head, 
 
 import eagle_compile
 from eagle_compile.draft.checkpoint import save_draft
-from eagle_compile.runtime.decoder import prefill_chunk_sizes, prefill_plan
+from eagle_compile.runtime.prefill_plan import CHUNK_OVERHEAD_TOKENS, prefill_chunk_sizes, prefill_plan
 
 
 def _continuations(ids, mask, ref):
@@ -49,14 +49,37 @@ def test_plain_mode_through_compile_ignores_the_draft_and_says_so():
 def test_prefill_plan_uses_a_bounded_menu_of_chunk_sizes():
     assert prefill_chunk_sizes(512) == (512, 128, 32)
     assert prefill_chunk_sizes(16) == (16,)
-    assert prefill_plan(600, 512) == [(0, 512), (512, 32), (544, 32), (576, 32)]
+    assert prefill_plan(600, 512) == [(0, 512), (512, 128)]      # two chunks, not 512 + 3 x 32
     assert prefill_plan(5, 512) == [(0, 32)]
-    for length in range(1, 700, 37):
-        plan = prefill_plan(length, 512)
-        assert plan[0][0] == 0 and all(a[0] + a[1] == b[0] for a, b in zip(plan, plan[1:], strict=False))
-        covered = plan[-1][0] + plan[-1][1]
-        assert length <= covered < length + 32, "padding stays below the smallest chunk"
-        assert {size for _, size in plan} <= {512, 128, 32}
+    assert prefill_plan(60, 4096) == [(0, 64)]                  # one padded chunk, not four chunks of 16
+    assert prefill_plan(1030, 1024) == [(0, 1024), (1024, 16)]   # a few tokens over: a small last chunk
+    for largest in (512, 4096):
+        sizes = prefill_chunk_sizes(largest)
+        for length in range(1, 3 * largest, 37):
+            plan = prefill_plan(length, largest)
+            assert plan[0][0] == 0 and all(a[0] + a[1] == b[0] for a, b in zip(plan, plan[1:], strict=False))
+            covered = plan[-1][0] + plan[-1][1]
+            assert covered >= length and {size for _, size in plan} <= set(sizes)
+            greedy = _greedy_cost(length, sizes)
+            assert _cost(plan) <= greedy, f"length {length}: the plan costs more than greedy cutting"
+
+
+def _cost(plan) -> int:
+    return sum(CHUNK_OVERHEAD_TOKENS + size for _, size in plan)
+
+
+def _greedy_cost(length: int, sizes: tuple[int, ...]) -> int:
+    """The old plan, as a negative control: the largest size that fits the rest, padding only the last chunk."""
+    cost, start = 0, 0
+    while start < length:
+        size = next((s for s in sizes if s <= length - start), sizes[-1])
+        cost, start = cost + CHUNK_OVERHEAD_TOKENS + size, start + size
+    return cost
+
+
+def test_prefill_plan_beats_greedy_cutting_where_it_should():
+    """The negative control can fail: on a 60-token prompt greedy cutting pays four chunks."""
+    assert _greedy_cost(60, prefill_chunk_sizes(4096)) > _cost(prefill_plan(60, 4096))
 
 
 @pytest.mark.parametrize("drafter_kind", ["oracle", "random head"])
