@@ -178,9 +178,7 @@ def chat_prompts(tokenizer, data: Path, rows: int) -> tuple[torch.Tensor, torch.
 
 # -- prefill -----------------------------------------------------------------------------------------------------
 def section_prefill(model, tokenizer, head, args, journal: Journal) -> list[dict]:
-    from transformers import DynamicCache
 
-    import eagle_compile
 
     rows = []
     for spec in args.prefill_lowerings:
@@ -193,34 +191,42 @@ def section_prefill(model, tokenizer, head, args, journal: Journal) -> list[dict
                     rows.append(done)
                     continue
                 ids = long_prompts(tokenizer, args.data, length, batch)
-                seen: dict[str, float] = {}
-
-                def eagle(ids=ids, options=options, seen=seen):
-                    out = eagle_compile.generate(model, ids, draft=head, options=options, max_new_tokens=1,
-                                                 return_dict_in_generate=True)
-                    seen["prefill"] = out.stats.prefill_time
-                    return out
-
-                def hf(ids=ids):
-                    return model(input_ids=ids, cache=DynamicCache(config=model.config), use_cache=True,
-                                 logits_to_keep=1)
-
-                first, warm_s = timed(eagle)
-                hf_first = hf().logits[:, -1].argmax(-1)
-                assert torch.equal(first.sequences[:, -1], hf_first), "eagle31's first token differs from HF's"
-                times = interleaved_times({"eagle31": eagle, "hf": hf}, repeats=args.rounds, warmup=0)
-                prefill_only = []
-                for _ in range(args.rounds):
-                    eagle()
-                    prefill_only.append(seen["prefill"])
-                row = {"lowering": spec, "batch": batch, "tokens": length, "hf_s": times["hf"]["median"],
-                       "eagle31_call_s": times["eagle31"]["median"], "first_call_s": warm_s,
-                       "eagle31_prefill_s": statistics.median(prefill_only)}
+                row = {"lowering": spec, "batch": batch, "tokens": length,
+                       **prefill_times(model, head, ids, options, args.rounds)}
                 row["ratio"] = row["eagle31_prefill_s"] / row["hf_s"]
                 rows.append(journal.add("prefill", ident, row))
                 print(f"  prefill {spec} batch {batch} x {length}: HF {row['hf_s']:.2f} s, eagle31 "
                       f"{row['eagle31_prefill_s']:.2f} s ({row['ratio']:.2f}x HF)", flush=True)
     return rows
+
+
+def prefill_times(model, head, ids: torch.Tensor, options: dict, rounds: int) -> dict:
+    """eagle31's prefill (`stats.prefill_time` of a 1-token generate) and HF's one forward of the prompt,
+    interleaved for `rounds` rounds after eagle31's untimed first call; their first tokens must agree."""
+    from transformers import DynamicCache
+
+    import eagle_compile
+
+    prefill: list[float] = []
+    hf_first: dict[str, torch.Tensor] = {}
+
+    def eagle():
+        out = eagle_compile.generate(model, ids, draft=head, options=options, max_new_tokens=1,
+                                     return_dict_in_generate=True)
+        prefill.append(out.stats.prefill_time)
+        return out
+
+    def hf():
+        out = model(input_ids=ids, cache=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
+        hf_first["token"] = out.logits[:, -1].argmax(-1)
+        return out
+
+    first, warm_s = timed(eagle)                          # captures: not timed
+    prefill.clear()
+    times = interleaved_times({"eagle31": eagle, "hf": hf}, repeats=rounds, warmup=0)
+    assert torch.equal(first.sequences[:, -1], hf_first["token"]), "eagle31's first token differs from HF's"
+    return {"hf_s": times["hf"]["median"], "eagle31_call_s": times["eagle31"]["median"], "first_call_s": warm_s,
+            "eagle31_prefill_s": statistics.median(prefill)}
 
 
 # -- step --------------------------------------------------------------------------------------------------------
