@@ -12,7 +12,8 @@ counterpart, `--rounds` rounds, medians; the machine is shared, so read ratios w
   max_new_tokens=1)` with the shipped head (the target's prefill chunks plus the draft's catch-up over the
   prompt, and the first token). HF: one forward of the prompt on a DynamicCache with `logits_to_keep=1` (what HF
   generate runs before its first token). Prompts: `--prefill-lengths` tokens of LEval government reports
-  (../shared/data/long_context, evaluation text), a different report per row, `--prefill-batches` rows.
+  (../shared/data/long_context, evaluation text; other LEval documents where fewer reports are that long), a
+  different document per row, `--prefill-batches` rows.
 * `step`: c(1), one token over a cache holding `prefix` tokens, of eagle31's target program (live slots only)
   against HF's decode step (one token on a DynamicCache), at `--prefixes`; and eagle31's c(N)/c(1) for N in
   `--tokens` (a chain of N tokens verified at once) at each prefix.
@@ -150,16 +151,21 @@ def make_lowering(model, spec: str):
 
 # -- prompts -----------------------------------------------------------------------------------------------------
 def long_prompts(tokenizer, data: Path, length: int, rows: int) -> torch.Tensor:
-    """[rows, length] ids: the first `length` tokens of `rows` different LEval government reports."""
+    """[rows, length] ids: the first `length` tokens of `rows` different LEval documents, government reports
+    first, then the other LEval tasks' documents in file-name order (only 4 reports reach 6144 tokens)."""
+    folder = data / "long_context" / "leval"
+    first = folder / "gov_report_summ.jsonl"
+    files = [first] + sorted(set(folder.glob("*.jsonl")) - {first})
     docs = []
-    with (data / "long_context" / "leval" / "gov_report_summ.jsonl").open() as f:
-        for line in f:
-            ids = tokenizer(json.loads(line)["input"], return_tensors="pt")["input_ids"][0]
-            if len(ids) >= length:
-                docs.append(ids[:length])
-            if len(docs) == rows:
-                return torch.stack(docs)
-    raise SystemExit(f"only {len(docs)} government reports have {length} tokens; need {rows}")
+    for path in files:
+        with path.open() as f:
+            for line in f:
+                ids = tokenizer(json.loads(line)["input"], return_tensors="pt")["input_ids"][0]
+                if len(ids) >= length:
+                    docs.append(ids[:length])
+                if len(docs) == rows:
+                    return torch.stack(docs)
+    raise SystemExit(f"only {len(docs)} LEval documents have {length} tokens; need {rows}")
 
 
 def chat_prompts(tokenizer, data: Path, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
