@@ -181,7 +181,7 @@ class SpeculativeDecoder:
     def _slots(self, prompts: list[torch.Tensor], max_new: int) -> int:
         """Static cache slots (target and draft caches alike), sentinel included."""
         need = cache_slots_needed(max(len(p) for p in prompts), max_new, self.options.prefill_chunk,
-                                  self.shape if self.speculate else None)
+                                  self.shape if self.speculate else None, rows=len(prompts))
         if self.options.max_cache_len is not None:
             if self.options.max_cache_len < need:
                 raise ValueError(f"max_cache_len={self.options.max_cache_len} is too small for a prompt of "
@@ -200,7 +200,7 @@ class SpeculativeDecoder:
         batch, device = len(prompts), prompts[0].device
         lengths = torch.tensor([len(p) for p in prompts], device=device)
         last = lengths - 1                                                # [B] each row's last prompt position
-        plan = prefill_plan(int(lengths.max()), self.options.prefill_chunk)
+        plan = prefill_plan(int(lengths.max()), self.options.prefill_chunk, rows=batch)
         span = plan[-1][0] + plan[-1][1]
         tokens = torch.zeros(batch, span + 1, dtype=torch.long, device=device)
         for b, p in enumerate(prompts):
@@ -266,10 +266,11 @@ class SpeculativeDecoder:
         return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
-def cache_slots_needed(longest: int, max_new: int, prefill_chunk: int, shape: TreeShape | None) -> int:
+def cache_slots_needed(longest: int, max_new: int, prefill_chunk: int, shape: TreeShape | None,
+                       rows: int = 1) -> int:
     """Cache slots a call needs before rounding: the prefill's padded span, or the committed tokens plus what a
     cycle writes past them (`shape` None: plain steps, one token), plus the sentinel."""
-    plan = prefill_plan(longest, prefill_chunk)
+    plan = prefill_plan(longest, prefill_chunk, rows)
     prefill_span = plan[-1][0] + plan[-1][1]
     if shape is None:
         return max(prefill_span, longest + max_new + 1) + 2

@@ -53,6 +53,9 @@ def test_prefill_plan_uses_a_bounded_menu_of_chunk_sizes():
     assert prefill_plan(5, 512) == [(0, 32)]
     assert prefill_plan(60, 4096) == [(0, 64)]                  # one padded chunk, not four chunks of 16
     assert prefill_plan(1030, 1024) == [(0, 1024), (1024, 16)]   # a few tokens over: a small last chunk
+    # padding costs every row, the weight pass once per chunk: a batch pads less
+    assert prefill_plan(40, 4096) == [(0, 64)]
+    assert prefill_plan(40, 4096, rows=8) == [(0, 16), (16, 16), (32, 16)]
     for largest in (512, 4096):
         sizes = prefill_chunk_sizes(largest)
         for length in range(1, 3 * largest, 37):
