@@ -185,12 +185,11 @@ def tree_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     Keys past the longest row's block end (`max(base) + W`) are never read. One-token steps and small tree
     blocks (verify trees, draft levels) are one flash call over `[0, max(base) + W)`: with no mask at all when
     every row is a one-token step at the same base, else with the live part of the `visible_slots` mask.
-    Causal blocks of several tokens (prefill chunks: 8 chat rows of up to 87 tokens prefilled in 2.1 s this way,
-    2.5-2.7 s with one masked call, HF 1.7-2.3 s) and large tree blocks are two calls whose log-sum-exps `lse`
-    merge them exactly in real arithmetic, out = sum_p exp(lse_p - m) out_p / sum_p exp(lse_p - m): the prefix
-    (no mask when the rows share a base) and the block (`is_causal`, or its local mask), so no [T, S] mask is
-    ever built for them. A part a query
-    cannot see at all is given lse = -inf (the flash kernel reports 0 for an all-masked row).
+    Causal blocks of several tokens (prefill chunks: `is_causal` skips the masked-out half, a mask cannot) and
+    large tree blocks are two calls whose log-sum-exps `lse` merge them exactly in real arithmetic,
+    out = sum_p exp(lse_p - m) out_p / sum_p exp(lse_p - m): the prefix (no mask when the rows share a base) and
+    the block (`is_causal`, or its local mask), so no [T, S] mask is ever built for them. A part a query cannot
+    see at all is given lse = -inf (the flash kernel reports 0 for an all-masked row).
     """
     _check(q, k_cache, v_cache, base, local)
     t = q.shape[2]

@@ -4,11 +4,11 @@ cheapest cover of the prompt by chunks of those sizes.
 Every chunk is one forward of the target over its block, so besides its tokens it pays one pass over every
 weight; on a CPU in float32 that pass costs about as much as a few dozen prompt tokens (SmolLM2-135M: a one-token
 step of 35-100 ms against 2-3 ms per prompt token in a large chunk). Cutting a 60-token prompt greedily into
-four chunks of 16 paid that pass four times (3x HF's one forward, measured); one chunk of 64 with 4 padded
-positions pays it once. A padded position costs every row of the batch, the weight pass once per chunk, so
-`prefill_plan` minimises `chunks * CHUNK_OVERHEAD_TOKENS / rows + padded length` over covers by menu sizes (40
-positions: one chunk of 64 for one row, three of 16 for eight rows). Padded positions write the cache's sentinel
-slot and their outputs are never read.
+four chunks of 16 paid that pass four times; one chunk of 64 with 4 padded positions pays it once. A padded
+position costs every row of the batch, the weight pass once per chunk, so `prefill_plan` minimises
+`chunks * CHUNK_OVERHEAD_TOKENS / rows + padded length` over covers by menu sizes (40 positions: one chunk of 64
+for one row, three of 16 for eight rows). Padded positions write the cache's sentinel slot and their outputs are
+never read.
 """
 
 from __future__ import annotations
