@@ -27,8 +27,9 @@ counterpart, `--rounds` rounds, medians; the machine is shared, so read ratios w
   the table says how many agree.
 
 `--lowerings`: how eagle31's programs run, a comma list of `auto` (what `inner_backend="auto"` picks), `eager`,
-`inductor` or `inductor:<preset>` (`eagle_compile.lowering.PRESETS`). First calls (capture, compile) are not
-timed; their seconds are reported.
+`inductor` or `inductor:<preset>` (`eagle_compile.lowering.PRESETS`), each optionally followed by
+`@<numerics>` (`auto`, the default; `eager`: the traced ops' kernels; `batch_invariant`). First calls (capture,
+compile) are not timed; their seconds are reported.
 
 Resumable: every measured row is appended to --out/plain_path.records.jsonl as soon as it is done, and a rerun
 with the same settings (threads, rounds, new tokens, lowerings' meaning, commit) skips the rows already there;
@@ -133,20 +134,25 @@ def run_key(args, model) -> dict[str, Any]:
 
 # -- lowerings ---------------------------------------------------------------------------------------------------
 def lowering_options(spec: str) -> dict[str, Any]:
-    """eagle31 options of a `--lowerings` entry."""
+    """eagle31 options of a `--lowerings` entry: `<backend>[:<preset>][@<numerics>]`, e.g. `auto`,
+    `eager@eager` (MKL, HF eager's rounding), `eager@batch_invariant`, `inductor:cpp-gemm@eager`."""
+    spec, _, numerics = spec.partition("@")
+    extra = {"numerics": numerics} if numerics else {}
     if spec in ("auto", "eager", "inductor"):
-        return {"inner_backend": spec}
+        return {"inner_backend": spec, **extra}
     backend, _, preset = spec.partition(":")
     if backend != "inductor" or not preset:
-        raise SystemExit(f"--lowerings entry {spec!r}: use auto, eager, inductor or inductor:<preset>")
-    return {"inner_backend": "inductor", "inductor_config": preset}
+        raise SystemExit(f"--lowerings entry {spec!r}: use auto, eager, inductor or inductor:<preset>, optionally "
+                         "followed by @<numerics> (auto, eager, batch_invariant)")
+    return {"inner_backend": "inductor", "inductor_config": preset, **extra}
 
 
 def make_lowering(model, spec: str):
     from eagle_compile.lowering import lowering_for
 
     opts = lowering_options(spec)
-    return lowering_for(opts["inner_backend"], opts.get("inductor_config"), model.device, model.dtype)
+    return lowering_for(opts["inner_backend"], opts.get("inductor_config"), model.device, model.dtype,
+                        opts.get("numerics", "auto"))
 
 
 # -- prompts -----------------------------------------------------------------------------------------------------

@@ -149,13 +149,14 @@ def verify_call(program, cache, prefix: int, n: int, generator: torch.Generator)
 def cost_curve(model, prefix: int, tokens: list[int], repeats: int, warmup: int, lowering=None) -> dict[int, dict]:
     """{N: median/min/max seconds and capture seconds} of the captured program verifying N tokens; the N are
     timed round-robin (see `interleaved_times`) after each was captured once. `lowering`: the programs'
-    `eagle_compile.lowering.Lowering` (default: what inner_backend="auto" picks for the model)."""
-    from eagle_compile.lowering import auto_lowering
+    `eagle_compile.lowering.Lowering` (default: what the default options, inner_backend and numerics "auto",
+    pick for the model)."""
+    from eagle_compile.lowering import lowering_for
     from eagle_compile.runtime.kv_cache import SlotKVCache
     from eagle_compile.runtime.target_program import TargetProgram
 
     gen = torch.Generator().manual_seed(0)
-    lowering = lowering or auto_lowering(model.device, model.dtype)
+    lowering = lowering or lowering_for("auto", None, model.device, model.dtype, "auto")
     program = TargetProgram(model, None, lowering=lowering, recompile_limit=len(tokens) + 8)
     cache = SlotKVCache(model.config, 1, cache_slots(prefix, max(tokens)), dtype=model.dtype, device="cpu")
     prefill(program, cache, prefix, gen)
@@ -187,11 +188,14 @@ def hf_step(model, prefix: int, repeats: int, warmup: int) -> dict[str, float]:
 
 # -- 2. draft cost -----------------------------------------------------------------------------------------------
 def draft_costs(head, prefix: int, repeats: int, warmup: int) -> dict[str, Any]:
-    """Seconds of the draft's catch-up forward, and of its forward and top-k over w frontier nodes."""
+    """Seconds of the draft's catch-up forward, and of its forward and top-k over w frontier nodes, with the
+    numerics the default options give the head (numerics "auto")."""
     from eagle_compile.draft.drafter import EagleDrafter
+    from eagle_compile.lowering import resolve_numerics
     from eagle_compile.runtime.masks import SlotMask
 
-    drafter, cfg, dtype = EagleDrafter(head), head.config, head.lm_head.weight.dtype
+    cfg, dtype = head.config, head.lm_head.weight.dtype
+    drafter = EagleDrafter(head, numerics=resolve_numerics("auto", head.lm_head.weight.device, dtype)[0])
     slots = cache_slots(prefix, max(TOKENS))
     state = drafter.new_state(1, slots, dtype=dtype, device=torch.device("cpu"))
     feats = torch.randn(1, CATCH_UP_TOKENS, cfg.num_features * cfg.target_hidden_size, dtype=dtype)

@@ -55,6 +55,8 @@ class Lowering:
     backend: str = "eager"
     config: dict[str, Any] = field(default_factory=dict)
     reason: str = "inner_backend='eager'"
+    numerics: str = "eager"          # "batch_invariant": the batch_invariant pass runs on every program
+    numerics_reason: str = "numerics='eager'"
     compiled: list[tuple[str, str, float]] = field(default_factory=list)   # (program kind, how, seconds) per graph
 
     @property
@@ -67,7 +69,7 @@ class Lowering:
 
     def describe(self) -> str:
         what = "eager (the rewritten FX graph)" if self.backend == "eager" else f"inductor {self.config or '{}'}"
-        return f"{what}: {self.reason}"
+        return f"{what}: {self.reason}; numerics {self.numerics}: {self.numerics_reason}"
 
     def compile(self, gm: torch.fx.GraphModule, example_inputs: list, kind: str = "step") -> Callable:
         """A callable running `gm` (after the passes): the graph itself, or inductor's compilation of it.
@@ -166,12 +168,51 @@ def auto_lowering(device: torch.device | str, dtype: torch.dtype) -> Lowering:
 
 
 def lowering_for(inner_backend: str, inductor_config: str | Mapping[str, Any] | None,
-                 device: torch.device | str, dtype: torch.dtype) -> Lowering:
-    """The `Lowering` of eagle31 options `inner_backend` / `inductor_config` for a target on `device`."""
+                 device: torch.device | str, dtype: torch.dtype, numerics: str = "eager") -> Lowering:
+    """The `Lowering` of eagle31 options `inner_backend` / `inductor_config` / `numerics` for a target on
+    `device` computing in `dtype`."""
     if inner_backend == "auto":
         if inductor_config is not None:
             raise OptionsError("inductor_config is given but inner_backend='auto' chooses its own settings; set "
                                "inner_backend='inductor' to use inductor_config")
-        return auto_lowering(device, dtype)
-    shown = f", inductor_config={inductor_config!r}" if inductor_config is not None else ""
-    return make_lowering(inner_backend, inductor_config, f"inner_backend={inner_backend!r}{shown}")
+        lowering = auto_lowering(device, dtype)
+    else:
+        shown = f", inductor_config={inductor_config!r}" if inductor_config is not None else ""
+        lowering = make_lowering(inner_backend, inductor_config, f"inner_backend={inner_backend!r}{shown}")
+    lowering.numerics, lowering.numerics_reason = resolve_numerics(numerics, device, dtype)
+    return lowering
+
+
+NUMERICS = ("auto", "batch_invariant", "eager")
+
+
+def resolve_numerics(numerics: str, device: torch.device | str, dtype: torch.dtype) -> tuple[str, str]:
+    """(numerics the programs get, why) for the `numerics` option.
+
+    "batch_invariant": the kernels of eagle_compile/kernels/batch_invariant.py (float32 CPU targets; a token's
+    logits do not depend on the batch or on how many tokens a forward carries, so speculative output equals the
+    plain mode's bit for bit). "eager": the traced ops' own kernels (MKL on CPU), equal to HF eager's rounding.
+    "auto": batch_invariant where it runs (float32 on CPU, kernels built), else eager.
+    """
+    if numerics not in NUMERICS:
+        raise OptionsError(f"numerics={numerics!r}; valid values: {list(NUMERICS)}")
+    if numerics == "eager":
+        return "eager", "numerics='eager': the traced ops' kernels (HF eager's rounding)"
+    kind = torch.device(device).type
+    fits = kind == "cpu" and dtype == torch.float32
+    if numerics == "batch_invariant":
+        if not fits:
+            raise OptionsError(f"numerics='batch_invariant' runs float32 CPU targets; this one is {kind} {dtype} "
+                               "(use numerics='eager' or 'auto')")
+        from eagle_compile.kernels import batch_invariant
+
+        batch_invariant.load()     # raises BuildError naming the fix
+        return "batch_invariant", "numerics='batch_invariant'"
+    if not fits:
+        return "eager", f"numerics='auto': eager for {kind} {dtype} (the batch-invariant kernels are float32 CPU)"
+    from eagle_compile.kernels import batch_invariant
+
+    ok, why = batch_invariant.available()
+    if not ok:
+        return "eager", f"numerics='auto': eager, the batch-invariant kernels are unavailable ({why})"
+    return "batch_invariant", f"numerics='auto' on cpu float32: batch-invariant kernels ({why})"

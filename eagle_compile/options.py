@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from eagle_compile.errors import OptionsError
-from eagle_compile.lowering import resolve_inductor_config
+from eagle_compile.lowering import NUMERICS, resolve_inductor_config
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 #: the official EAGLE tree (used when no tree key is given and no tree.json beside the head fits the target)
@@ -54,6 +54,11 @@ class EagleOptions:
     statistics say it was not applied). `kernels` decides whether the step passes swap traced code for the
     eagle31 fused ops: "on", "off", or "auto" = on where the Triton kernels run (CUDA, or the interpreter when
     EAGLE31_TRITON_INTERPRET=1); on CPU their torch references are no faster than the traced ops they replace.
+    `numerics` decides the rounding: "batch_invariant" (float32 CPU: every linear and attention of every
+    program on kernels whose result for a token does not depend on the batch or on how many tokens a forward
+    carries, so speculative output equals the plain mode's bit for bit, and HF eager's up to rounding at
+    near-ties), "eager" (the traced ops' kernels: HF eager's rounding), or "auto" (batch_invariant where it
+    runs, else eager; `eagle_compile.lowering.resolve_numerics`).
     """
 
     draft: Any = None
@@ -69,6 +74,7 @@ class EagleOptions:
     step_program: bool = False
     cudagraphs: bool = False
     kernels: str = "auto"
+    numerics: str = "auto"
     max_cache_len: int | None = None
     cache_len_multiple: int = 256
 
@@ -89,6 +95,8 @@ class EagleOptions:
         object.__setattr__(self, "batch_buckets", tuple(buckets))
         if self.kernels not in _KERNELS:
             raise OptionsError(f"kernels={self.kernels!r}; valid values: {list(_KERNELS)}")
+        if self.numerics not in NUMERICS:
+            raise OptionsError(f"numerics={self.numerics!r}; valid values: {list(NUMERICS)}")
         if self.inner_backend not in _INNER:
             raise OptionsError(f"inner_backend={self.inner_backend!r}; valid values: {list(_INNER)}")
         _check_positive_int("cache_len_multiple", self.cache_len_multiple)

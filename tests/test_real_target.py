@@ -1,5 +1,7 @@
 """End to end on the embedded default target (SmolLM2-135M-Instruct, float32) with the shipped EAGLE 3.1 head:
-speculative greedy equals plain greedy on Spec-Bench prompts, and the head is accepted often enough."""
+with numerics="eager" speculative greedy equals HF eager greedy on Spec-Bench prompts, and the head is accepted
+often enough; with the default batch-invariant numerics a token's logits do not depend on how it is computed, and
+speculative greedy equals the plain mode's greedy token for token on Spec-Bench and long prompts."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from invariance import invariance_failures, invariant_program
 
 import eagle_compile
 from eagle_compile.heads import shipped_head
@@ -30,10 +33,10 @@ def target():
     return eagle_compile.load_default_target(torch.float32)
 
 
-def _prompts(tokenizer):
+def _prompts(tokenizer, question_ids=QUESTION_IDS):
     rows = {r["question_id"]: r for r in map(json.loads, DATA.read_text().splitlines())}
     out = []
-    for qid in QUESTION_IDS:
+    for qid in question_ids:
         messages = [{"role": "user", "content": rows[qid]["turns"][0]}]
         out.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                                  return_dict=True)["input_ids"])
@@ -46,7 +49,7 @@ def test_shipped_head_is_exact_and_accepted(target):
     assert head is not None, "no trained head ships in eagle_compile/heads/"
     draft = eagle_compile.load_draft(head, target=model, dtype=torch.float32)
     # no tree keys: the tree.json beside the head (chosen for CPU float32); the default tree named explicitly
-    trees = {"tree.json": {}, "default tree": dict(EAGLE_TREE)}
+    trees = {"tree.json": {"numerics": "eager"}, "default tree": {**EAGLE_TREE, "numerics": "eager"}}
     prompts = _prompts(tokenizer)
     with torch.no_grad():
         refs = [model.generate(ids, max_new_tokens=64, do_sample=False) for ids in prompts]
@@ -73,7 +76,43 @@ def test_stop_strings_end_the_output_like_hf(target):
     stop = text.split()[5]                         # a word the greedy continuation reaches after a few tokens
     with torch.no_grad():
         ref = model.generate(ids, max_new_tokens=40, do_sample=False, stop_strings=[stop], tokenizer=tokenizer)
-        out = eagle_compile.generate(model, ids, draft=draft, options={"chain": 3}, max_new_tokens=40,
+        out = eagle_compile.generate(model, ids, draft=draft, options={"chain": 3, "numerics": "eager"},
+                                     max_new_tokens=40,
                                      stop_strings=[stop], tokenizer=tokenizer)
     assert ref.shape[1] < free.shape[1]            # the stop string did cut the output
     assert torch.equal(out, ref)
+
+
+def test_batch_invariant_logits_do_not_depend_on_how_a_token_is_computed(target):
+    model, _ = target
+    program = invariant_program(model)
+    # a chunk of 24, the path of an 8-node tree, the last row of a bucket of 4 (the tiny models check more shapes)
+    assert invariance_failures(model, program, chunks=(24,), trees=(8,), batches=((4, 3),)) == []
+    assert program.contexts[0].counts["batch_invariant"] == 30 * 7 + 1 + 30      # every linear and attention
+
+
+def _long_prompt(tokenizer, length: int = 1200) -> torch.Tensor:
+    with (DATA.parents[1] / "long_context" / "leval" / "meeting_summ.jsonl").open() as f:
+        text = json.loads(f.readline())["input"]
+    ids = tokenizer(text, return_tensors="pt")["input_ids"][:, :length]
+    assert ids.shape[1] == length
+    return ids
+
+
+def test_batch_invariant_speculation_equals_plain_mode(target):
+    """The default numerics on CPU float32: speculative greedy == plain greedy of the same programs, bit for bit,
+    on a Spec-Bench prompt of another category and a 1200-token prompt (two prefill chunks), 128 tokens each."""
+    model, tokenizer = target
+    draft = eagle_compile.load_draft(shipped_head(), target=model, dtype=torch.float32)
+    plain = torch.compile(model, backend="eagle31", options={"speculate": False, "prefill_chunk": 1024})
+    fast = torch.compile(model, backend="eagle31", options={"draft": draft, "prefill_chunk": 1024})
+    prompts = _prompts(tokenizer, (101,)) + [_long_prompt(tokenizer)]
+    lengths = []
+    with torch.no_grad():
+        for ids in prompts:
+            ref = plain.generate(ids, max_new_tokens=128, return_dict_in_generate=True)
+            out = fast.generate(ids, max_new_tokens=128, return_dict_in_generate=True)
+            assert "numerics batch_invariant" in ref.stats.lowering and "numerics batch_invariant" in out.stats.lowering
+            assert torch.equal(out.sequences, ref.sequences)
+            lengths += out.stats.acceptance_lengths
+    assert max(lengths) > 1                      # drafts were accepted: the comparison covered verify trees

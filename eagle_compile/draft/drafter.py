@@ -14,6 +14,7 @@ outputs nobody reads (the prompt's catch-up, all but its last position).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -37,9 +38,21 @@ class Drafter(Protocol):
 
 @dataclass
 class EagleDrafter:
-    """`Drafter` backed by an `EagleDraftModel` (EAGLE-3 / EAGLE 3.1 head)."""
+    """`Drafter` backed by an `EagleDraftModel` (EAGLE-3 / EAGLE 3.1 head).
+
+    `numerics="batch_invariant"` runs the head's eager forward on the batch-invariant kernels (a draft token's
+    scores then do not depend on the tree level's width or the batch); inside a captured step program the
+    batch_invariant pass does the same swap, so the mode is not entered while dynamo traces."""
 
     model: torch.nn.Module
+    numerics: str = "eager"
+
+    def _numerics(self):
+        if self.numerics != "batch_invariant" or torch.compiler.is_compiling():
+            return contextlib.nullcontext()
+        from eagle_compile.kernels.batch_invariant import BatchInvariantMode
+
+        return BatchInvariantMode()
 
     @property
     def draft_vocab_size(self) -> int:
@@ -50,21 +63,24 @@ class EagleDrafter:
 
     @torch.no_grad()
     def forward(self, state, hidden, tokens, positions, write_slots, mask, *, fuse):
-        if fuse:
-            hidden = self.model.fuse(hidden)   # [B, T, A*Ht] -> [B, T, H]
-        out = self.model(tokens, hidden, positions, state, write_slots, mask)
+        with self._numerics():
+            if fuse:
+                hidden = self.model.fuse(hidden)   # [B, T, A*Ht] -> [B, T, H]
+            out = self.model(tokens, hidden, positions, state, write_slots, mask)
         return out.feedback, out.normed
 
     @torch.no_grad()
     def fill(self, state, hidden, tokens, positions, write_slots) -> None:
         """The K/V of target features `hidden [B, T, A*Ht]` at these positions (fused first), nothing else."""
-        self.model.fill(tokens, self.model.fuse(hidden), positions, state, write_slots)
+        with self._numerics():
+            self.model.fill(tokens, self.model.fuse(hidden), positions, state, write_slots)
 
     @torch.no_grad()
     def top_k(self, head_input: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[..., H] -> (log-probs [..., k] best first, target ids [..., k]); the `draft_subgraph` pass replaces
         this whole function with `eagle31::draft_topk` in a step program."""
-        logits = self.model.logits(head_input)
+        with self._numerics():
+            logits = self.model.logits(head_input)
         logp = torch.log_softmax(logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits, -1)
         scores, ids = torch.topk(logp, k, dim=-1, sorted=True)
         return scores, self.model.draft_to_target(ids)

@@ -331,9 +331,13 @@ class EagleDraftModel(nn.Module):
 
         A few rows on CPU (a draft tree level: K frontier nodes) go through ``W @ x.T``: MKL's GEMM for 2-16 rows
         against the [Vd, H] head is 1.8x slower than that product (8192 x 576, 3 rows: 6.6 vs 3.7 ms, 1 thread),
-        and the lm_head is most of a draft level's cost. One row and many rows (training) keep ``F.linear``."""
+        and the lm_head is most of a draft level's cost. One row and many rows (training) keep ``F.linear``, and so does
+        the batch-invariant mode (its own kernel is faster than both)."""
+        from eagle_compile.kernels import batch_invariant
+
         rows = normed.numel() // normed.shape[-1]
-        if normed.device.type != "cpu" or not 2 <= rows <= 16 or self.lm_head.bias is not None:
+        if (normed.device.type != "cpu" or not 2 <= rows <= 16 or self.lm_head.bias is not None
+                or batch_invariant.active()):
             return self.lm_head(normed)
         flat = normed.reshape(rows, normed.shape[-1])
         return torch.mm(self.lm_head.weight, flat.t()).t().reshape(*normed.shape[:-1], -1)

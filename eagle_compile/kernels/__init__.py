@@ -12,7 +12,18 @@ from __future__ import annotations
 
 import torch
 
-from eagle_compile.kernels import _dispatch, accept, draft_topk, fc_norm_fuse, kv_compact, kv_write, tree_attention
+from eagle_compile.kernels import (
+    _dispatch,
+    accept,
+    batch_invariant,
+    draft_topk,
+    fc_norm_fuse,
+    kv_compact,
+    kv_write,
+    tree_attention,
+)
+
+batch_invariant._TREE_ATTENTION.update({torch.ops.eagle31.tree_attention, torch.ops.eagle31.tree_attention.default})
 
 #: op name -> (what it does, whether it takes only fp16/bf16/fp32 compute tensors)
 KERNELS: dict[str, tuple[str, bool]] = {
@@ -58,5 +69,5 @@ def eager_calls() -> dict:
 TORCH_ONLY = {"kv_write": "a scatter of the new rows; torch's runs on every device (no Triton kernel)"}
 
 
-__all__ = ["KERNELS", "accept", "draft_topk", "fc_norm_fuse", "kernel_choices", "kv_compact", "kv_write",
-           "tree_attention"]
+__all__ = ["KERNELS", "accept", "batch_invariant", "draft_topk", "fc_norm_fuse", "kernel_choices", "kv_compact",
+           "kv_write", "tree_attention"]

@@ -3,7 +3,8 @@
 Each pass is `(gm, ctx) -> gm` and records how many sites it rewrote (or verified) in `ctx.counts`.
 
 * `PASSES` run on a target program (prefill chunks, the plain step and verification in the unlowered loop):
-  they expose the feature taps as extra outputs and make attention read only the live cache slots.
+  they expose the feature taps as extra outputs, make attention read only the live cache slots and, under
+  numerics="batch_invariant", put linears and attention on the batch-invariant kernels.
 * `STEP_PASSES` run on the captured speculative-step program (draft -> verify -> accept -> commit in one
   graph): they resolve the taps inside the graph, check the caches are static, and lower attention.
 """
@@ -15,6 +16,7 @@ from collections.abc import Callable, Sequence
 import torch.fx
 
 from eagle_compile.passes.accept_subgraph import accept_subgraph
+from eagle_compile.passes.batch_invariant import batch_invariant
 from eagle_compile.passes.context import PassContext
 from eagle_compile.passes.draft_subgraph import draft_subgraph
 from eagle_compile.passes.locate_layers import locate_layers
@@ -25,11 +27,11 @@ from eagle_compile.passes.tree_attention import tree_attention
 Pass = Callable[[torch.fx.GraphModule, PassContext], torch.fx.GraphModule]
 
 #: The target-program pipeline, in order.
-PASSES: tuple[Pass, ...] = (locate_layers, tap_features, tree_attention)
+PASSES: tuple[Pass, ...] = (locate_layers, tap_features, tree_attention, batch_invariant)
 
 #: The speculative-step pipeline, in order.
 STEP_PASSES: tuple[Pass, ...] = (locate_layers, tap_features, static_kv, draft_subgraph, accept_subgraph,
-                                 tree_attention)
+                                 tree_attention, batch_invariant)
 
 
 def run_passes(gm: torch.fx.GraphModule, ctx: PassContext, passes: Sequence[Pass] = PASSES) -> torch.fx.GraphModule:
@@ -38,5 +40,5 @@ def run_passes(gm: torch.fx.GraphModule, ctx: PassContext, passes: Sequence[Pass
     return gm
 
 
-__all__ = ["PASSES", "STEP_PASSES", "PassContext", "accept_subgraph", "draft_subgraph", "locate_layers",
-           "run_passes", "static_kv", "tap_features", "tree_attention"]
+__all__ = ["PASSES", "STEP_PASSES", "PassContext", "accept_subgraph", "batch_invariant", "draft_subgraph",
+           "locate_layers", "run_passes", "static_kv", "tap_features", "tree_attention"]

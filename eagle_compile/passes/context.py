@@ -29,6 +29,7 @@ class PassContext:
     use_kernels: bool = True    # whether passes may swap traced code for eagle31 fused ops
     kernels_reason: str = ""
     kernels: str = "auto"       # the `kernels` option: "off" also keeps attention over the dense mask
+    numerics: str = "eager"     # "batch_invariant": the batch_invariant pass swaps in the invariant kernels
 
     @property
     def num_layers(self) -> int:

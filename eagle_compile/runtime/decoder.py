@@ -65,7 +65,10 @@ class SpeculativeDecoder:
         num_layers = model.config.get_text_config().num_hidden_layers
         self.capture_indices = capture_indices or default_capture_indices(num_layers)
         param = next(model.parameters())
-        self.lowering = lowering_for(options.inner_backend, options.inductor_config, param.device, param.dtype)
+        self.lowering = lowering_for(options.inner_backend, options.inductor_config, param.device, param.dtype,
+                                     options.numerics)
+        if drafter is not None and hasattr(drafter, "numerics"):
+            drafter.numerics = self.lowering.numerics     # the head rounds like the target's programs
         self.program = TargetProgram(model, self.capture_indices, lowering=self.lowering,
                                      recompile_limit=8 * len(options.batch_buckets) + 8)
         self._steps: dict = {}

@@ -62,7 +62,7 @@ class StepProgram:
         use, reason = use_kernels(self.kernels, state.n.device)
         ctx = PassContext(capture_indices=self.capture_indices, architecture=self.architecture,
                           step_examples=self._make_examples(state, cache, uniforms), use_kernels=use,
-                          kernels=self.kernels, kernels_reason=reason)
+                          kernels=self.kernels, kernels_reason=reason, numerics=self.lowering.numerics)
         gm = run_passes(gm, ctx, STEP_PASSES)
         self.contexts.append(ctx)
         return self.lowering.compile(gm, example_inputs)

@@ -53,7 +53,8 @@ class TargetProgram:
         return out.logits
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-        ctx = PassContext(capture_indices=self.capture_indices, architecture=type(self.model).__name__)
+        ctx = PassContext(capture_indices=self.capture_indices, architecture=type(self.model).__name__,
+                          numerics=self.lowering.numerics)
         gm = run_passes(gm, ctx)
         self.contexts.append(ctx)
         self.capture_indices = ctx.capture_indices

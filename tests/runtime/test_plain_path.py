@@ -130,7 +130,8 @@ def test_the_heads_tree_is_the_default_when_chosen_for_this_device_and_dtype(tmp
     folder = _head_folder(tmp_path, model, tree)
     ids = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(1))
     ref = greedy_reference(model, ids, max_new_tokens=8)
-    for draft in (str(folder), eagle_compile.load_draft(folder, target=model, dtype=torch.float64)):
+    forms = [str(folder), eagle_compile.load_draft(folder, target=model, dtype=torch.float64)]
+    for draft in forms if used else forms[:1]:     # EAGLE's 60-node default tree is slow: the folder form only
         out = eagle_compile.generate(model, ids, draft=draft, max_new_tokens=8, return_dict_in_generate=True)
         assert torch.equal(out.sequences, ref)
         shape = {k: out.stats.tree[k] for k in ("depth", "top_k", "total_tokens")}

@@ -22,12 +22,21 @@ SAMPLING = {"do_sample": True, "temperature": 1.3, "top_k": 10, "top_p": 0.95}
 
 @pytest.fixture(scope="module")
 def setup():
-    target = tiny_target("llama", seed=4, vocab=V)
+    return _setup(torch.float64)
+
+
+@pytest.fixture(scope="module")
+def setup32():
+    return _setup(torch.float32)
+
+
+def _setup(dtype):
+    target = tiny_target("llama", seed=4, vocab=V, dtype=dtype)
     with torch.no_grad():
         target.lm_head.weight.mul_(0.25)        # a spread-out distribution: many tokens with real mass
     torch.manual_seed(0)
     head = EagleDraftModel(DraftConfig.for_target(target.config, None, fc_norm=True, norm_output=True))
-    head = head.to(torch.float64).eval()
+    head = head.to(dtype).eval()
     head.tie_target_embedding(target)
     prompt = torch.tensor([[5, 9, 3, 12, 7]])
     return target, head, prompt, _analytic(target, prompt)
@@ -73,6 +82,16 @@ def test_first_two_tokens_follow_the_target_distribution(setup):
     assert _p_value(counts, joint) > 1e-3
     tv = 0.5 * (counts / ROWS - joint).abs().sum()
     assert tv < 2.0 * (V * V / ROWS) ** 0.5
+
+
+def test_the_distribution_holds_with_the_batch_invariant_kernels(setup32):
+    """float32 on CPU: the default numerics put every linear and attention on the batch-invariant kernels."""
+    target, head, prompt, joint = setup32
+    counts, stats = _sample(target, head, prompt, numerics="batch_invariant")
+    assert "numerics batch_invariant" in stats.lowering
+    assert max(stats.histogram) >= 2
+    assert _p_value(counts, joint) > 1e-3
+    assert 0.5 * (counts / ROWS - joint).abs().sum() < 2.0 * (V * V / ROWS) ** 0.5
 
 
 def test_negative_control_eager_acceptance_is_detected(setup, monkeypatch):

@@ -39,7 +39,7 @@ def test_step_passes_rewrite_the_expected_sites():
     decoder_counts = _counts_after_generate(target, head, ids, mask)
     layers, depth = 8, SHAPE["depth"]
     assert [p.__name__ for p in STEP_PASSES] == ["locate_layers", "tap_features", "static_kv", "draft_subgraph",
-                                                 "accept_subgraph", "tree_attention"]
+                                                 "accept_subgraph", "tree_attention", "batch_invariant"]
     assert decoder_counts == {
         "locate_layers": layers,
         "tap_features": 3,                          # three capture-index taps into one marker
@@ -47,6 +47,7 @@ def test_step_passes_rewrite_the_expected_sites():
         "draft_subgraph": 1 + depth,                # one fc_norm_fuse, a draft_topk per level
         "accept_subgraph": 1 + layers,              # accept_greedy, a kv_compact per layer
         "tree_attention": layers,                   # target layers (the draft calls the op itself)
+        "batch_invariant": 0,                       # float64: numerics "auto" keeps the traced kernels
     }
 
 

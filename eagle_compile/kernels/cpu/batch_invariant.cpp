@@ -1,0 +1,426 @@
+// Batch-invariant CPU kernels for float32: eagle31::bi_linear and eagle31::bi_tree_attention.
+//
+// "Batch-invariant" means every output element is computed by one fixed sequence of floating-point operations
+// that depends only on that element's own inputs, never on how many rows (tokens) the call carries, which row or
+// tile a token lands in, how the work is split over threads, or how long the cache is. Then a token's logits are
+// bit-identical whether it is decoded alone, verified inside a tree of N nodes, or computed in a prefill chunk
+// (see kernels/batch_invariant.py for the contract and the tests that prove it).
+//
+// The rules every loop below follows:
+//   * a dot product over K is 8 lanes (lane = k mod 8, k < K8 = K - K % 8) accumulated by FMA in ascending k,
+//     the lanes reduced by one fixed tree (hsum), then the K % 8 tail by scalar FMA in ascending k;
+//   * tiles over rows (M) and columns (N) only choose which independent accumulators share loads: they never
+//     change an element's operations (every tile shape runs the same per-accumulator sequence);
+//   * threads split independent outputs (columns of a GEMM, query rows of attention), never a reduction;
+//   * attention reduces over the visible keys in list order (the committed prefix in slot order, then the
+//     visible block slots in slot order, which for a tree is the path from the root), so a tree node and the
+//     same token in a one-token step see the same sequence of keys and values.
+// Compiled with -ffp-contract=off: only the FMAs written here are fused.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define EAGLE31_AVX2 1
+#endif
+
+namespace {
+
+constexpr int64_t kLanes = 8;
+
+#ifdef EAGLE31_AVX2
+using Vec = __m256;
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vset1(float x) { return _mm256_set1_ps(x); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float hsum(Vec v) {  // ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+#else
+struct Vec {
+  float l[kLanes];
+};
+inline Vec vload(const float* p) {
+  Vec v;
+  for (int i = 0; i < kLanes; ++i) v.l[i] = p[i];
+  return v;
+}
+inline void vstore(float* p, Vec v) {
+  for (int i = 0; i < kLanes; ++i) p[i] = v.l[i];
+}
+inline Vec vzero() { return Vec{}; }
+inline Vec vset1(float x) {
+  Vec v;
+  for (int i = 0; i < kLanes; ++i) v.l[i] = x;
+  return v;
+}
+inline Vec vfma(Vec a, Vec b, Vec c) {
+  for (int i = 0; i < kLanes; ++i) c.l[i] = std::fma(a.l[i], b.l[i], c.l[i]);
+  return c;
+}
+inline float hsum(Vec v) {
+  float a = v.l[0] + v.l[4], b = v.l[1] + v.l[5], c = v.l[2] + v.l[6], d = v.l[3] + v.l[7];
+  return (a + c) + (b + d);
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------------------------
+// bi_linear: y[m, n] = dot(x[m, :], w[n, :]) (+ bias[n]), every element by the fixed dot above.
+
+template <int MR, int NR>
+inline void linear_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, const float* bias,
+                        float* y, int64_t ldy) {
+  Vec acc[MR][NR];
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) acc[i][j] = vzero();
+  const int64_t k8 = K - K % kLanes;
+  for (int64_t k = 0; k < k8; k += kLanes) {
+    Vec wv[NR];
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) wv[j] = vload(w + j * ldw + k);
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) {
+      const Vec xv = vload(x + i * ldx + k);
+#pragma GCC unroll 16
+      for (int j = 0; j < NR; ++j) acc[i][j] = vfma(xv, wv[j], acc[i][j]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) {
+      float s = hsum(acc[i][j]);
+      for (int64_t k = k8; k < K; ++k) s = std::fma(x[i * ldx + k], w[j * ldw + k], s);
+      if (bias != nullptr) s = s + bias[j];
+      y[i * ldy + j] = s;
+    }
+}
+
+// Columns [n0, n1) of rows [m0, m0 + MR): NR-wide tiles, then narrower ones for the rest.
+template <int MR, int NR>
+inline void linear_rows(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, const float* bias,
+                        float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR)
+    linear_tile<MR, NR>(x, ldx, w + n * ldw, ldw, K, bias ? bias + n : nullptr, y + n, ldy);
+  for (; n < n1; ++n) linear_tile<MR, 1>(x, ldx, w + n * ldw, ldw, K, bias ? bias + n : nullptr, y + n, ldy);
+}
+
+// Row pairs in 2 x 4 tiles (8 accumulators and 6 loads per 8 FMAs fit AVX2's 16 registers), a last single row in
+// 1 x 8 tiles (a one-token step: eight weight rows stream at once).
+void linear_block(const float* x, int64_t M, int64_t K, const float* w, const float* bias, float* y, int64_t N,
+                  int64_t n0, int64_t n1) {
+  int64_t m = 0;
+  for (; m + 2 <= M; m += 2) linear_rows<2, 4>(x + m * K, K, w, K, K, bias, y + m * N, N, n0, n1);
+  if (m < M) linear_rows<1, 8>(x + m * K, K, w, K, K, bias, y + m * N, N, n0, n1);
+}
+
+at::Tensor bi_linear(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(input.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
+              "eagle31::bi_linear: float32 input and weight required, got ", input.scalar_type(), " and ",
+              weight.scalar_type());
+  TORCH_CHECK(weight.dim() == 2 && input.dim() >= 1 && input.size(-1) == weight.size(1),
+              "eagle31::bi_linear: input [..., K] and weight [N, K] expected, got ", input.sizes(), " and ",
+              weight.sizes());
+  const int64_t K = weight.size(1), N = weight.size(0);
+  const at::Tensor x = input.reshape({-1, K}).contiguous();
+  const at::Tensor w = weight.contiguous();
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N,
+                "eagle31::bi_linear: bias must be float32 [N] = [", N, "], got ", bias->sizes());
+    b = bias->contiguous();
+  }
+  const int64_t M = x.size(0);
+  std::vector<int64_t> out_shape(input.sizes().begin(), input.sizes().end());
+  out_shape.back() = N;
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y.reshape(out_shape);
+  // Column blocks of a multiple of 8 (the tile widths 4 and 8) whose weights (~128 KiB) stay in L2
+  // while every row tile passes over them.
+  const int64_t block = std::max<int64_t>(8, (32768 / std::max<int64_t>(K, 1)) / 8 * 8);
+  const int64_t blocks = (N + block - 1) / block;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t i = b0; i < b1; ++i)
+      linear_block(xp, M, K, wp, bp, yp, N, i * block, std::min(N, (i + 1) * block));
+  });
+  return y.reshape(out_shape);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// bi_tree_attention: the visibility of kernels/tree_attention.py (prefix slots [0, base[b]), then block slot
+// base[b] + j when causal j <= t, or local[b, t, j]), computed per (batch, query head, query) row:
+//   s_i = dot(q, k_i) * scale over the visible keys i in list order; m = max s_i; p_i = exp(s_i - m);
+//   l = sum p_i and acc = sum p_i v_i, both sequential in list order; out = acc / l (0 when nothing is visible).
+
+// exp for x <= 0 (x = s - max): Cody-Waite reduction by ln 2 and a degree-6 polynomial (~1 ulp); the same
+// operations for every element, vector or not.
+#ifdef EAGLE31_AVX2
+inline Vec vexp(Vec x) {
+  const Vec lo = vset1(-87.0f);
+  const __m256 too_small = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  const Vec n = _mm256_round_ps(_mm256_mul_ps(x, vset1(1.44269504088896341f)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  Vec r = vfma(n, vset1(-0.693359375f), x);
+  r = vfma(n, vset1(2.12194440e-4f), r);
+  Vec p = vset1(1.9875691500e-4f);
+  p = vfma(p, r, vset1(1.3981999507e-3f));
+  p = vfma(p, r, vset1(8.3334519073e-3f));
+  p = vfma(p, r, vset1(4.1665795894e-2f));
+  p = vfma(p, r, vset1(1.6666665459e-1f));
+  p = vfma(p, r, vset1(5.0000001201e-1f));
+  p = vfma(p, _mm256_mul_ps(r, r), r);
+  p = _mm256_add_ps(p, vset1(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const Vec out = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  return _mm256_andnot_ps(too_small, out);
+}
+#else
+inline Vec vexp(Vec x) {
+  Vec out;
+  for (int i = 0; i < kLanes; ++i) {
+    float v = x.l[i];
+    if (v < -87.0f) {
+      out.l[i] = 0.0f;
+      continue;
+    }
+    const float n = std::nearbyint(v * 1.44269504088896341f);
+    float r = std::fma(n, -0.693359375f, v);
+    r = std::fma(n, 2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = std::fma(p, r, 1.3981999507e-3f);
+    p = std::fma(p, r, 8.3334519073e-3f);
+    p = std::fma(p, r, 4.1665795894e-2f);
+    p = std::fma(p, r, 1.6666665459e-1f);
+    p = std::fma(p, r, 5.0000001201e-1f);
+    p = std::fma(p, r * r, r);
+    p = p + 1.0f;
+    out.l[i] = std::ldexp(p, static_cast<int>(n));
+  }
+  return out;
+}
+#endif
+
+inline float dot(const float* a, const float* b, int64_t D) {
+  Vec acc = vzero();
+  const int64_t d8 = D - D % kLanes;
+  for (int64_t d = 0; d < d8; d += kLanes) acc = vfma(vload(a + d), vload(b + d), acc);
+  float s = hsum(acc);
+  for (int64_t d = d8; d < D; ++d) s = std::fma(a[d], b[d], s);
+  return s;
+}
+
+struct AttentionArgs {
+  const float* q;
+  const float* k;
+  const float* v;
+  const int64_t* base;
+  const bool* local;
+  float* out;
+  int64_t B, Hq, Hkv, T, D, S, W;
+  int64_t sq[4], sk[4], sv[4], sl[3], so[4];
+  float scale;
+
+  bool sees(int64_t b, int64_t t, int64_t j) const {   // block offset j visible to query t of row b
+    return local == nullptr ? j <= t : local[b * sl[0] + t * sl[1] + j * sl[2]];
+  }
+};
+
+constexpr int64_t kKeyBlock = 64;   // keys per block: a block of K or V (16 KiB at head dim 64) stays in L1
+constexpr int64_t kMaxVec = 32;     // head dims up to 256
+
+// acc[0 .. D) += p * v (vectors of 8, then the scalar tail): the same sequence for every caller.
+template <int64_t DV>
+inline void accumulate(Vec* acc, float* tail, float p, const float* v, int64_t dv, int64_t D) {
+  const int64_t n = DV > 0 ? DV : dv;
+  const Vec pv = vset1(p);
+#pragma GCC unroll 16
+  for (int64_t c = 0; c < n; ++c) acc[c] = vfma(pv, vload(v + c * kLanes), acc[c]);
+  for (int64_t d = n * kLanes; d < D; ++d) tail[d - n * kLanes] = std::fma(p, v[d], tail[d - n * kLanes]);
+}
+
+struct Scratch {
+  std::vector<float> p;     // per row: the scores, then the probabilities, in list order
+  std::vector<float> acc;   // per row: the output accumulator (D floats)
+  std::vector<float> l, m;  // per row: the running sum of probabilities and the max score
+  std::vector<int64_t> n;   // per row: how many keys it has seen so far (its list index)
+};
+
+// The queries t in [t0, t1) of the query heads [h0, h1) (all sharing KV head h0 / G) of batch row b. Every key
+// block is loaded once for all of these rows; each row walks its own visible keys in list order, so its
+// arithmetic is what it would be alone.
+template <int64_t DV>
+void attention_tile(const AttentionArgs& a, int64_t b, int64_t h0, int64_t h1, int64_t t0, int64_t t1,
+                    Scratch& sc) {
+  const int64_t base = a.base[b], end = base + a.W, D = a.D, dv = D / kLanes;
+  const int64_t kvh = h0 / (a.Hq / a.Hkv);
+  const int64_t rows = (h1 - h0) * (t1 - t0);
+  const int64_t cap = (end + kLanes - 1) / kLanes * kLanes;
+  sc.p.assign(rows * cap, -std::numeric_limits<float>::infinity());
+  sc.acc.assign(rows * D, 0.0f);
+  sc.l.assign(rows, 0.0f);
+  sc.m.assign(rows, -std::numeric_limits<float>::infinity());
+  sc.n.assign(rows, 0);
+  const float* kb = a.k + b * a.sk[0] + kvh * a.sk[1];
+  const float* vb = a.v + b * a.sv[0] + kvh * a.sv[1];
+  auto query = [&](int64_t r) { return a.q + b * a.sq[0] + (h0 + r / (t1 - t0)) * a.sq[1] + (t0 + r % (t1 - t0)) * a.sq[2]; };
+  auto query_t = [&](int64_t r) { return t0 + r % (t1 - t0); };
+  // Pass 1: scores in list order, and each row's max.
+  for (int64_t s0 = 0; s0 < end; s0 += kKeyBlock) {
+    const int64_t s1 = std::min(end, s0 + kKeyBlock);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* q = query(r);
+      const int64_t t = query_t(r);
+      float* p = &sc.p[r * cap];
+      int64_t n = sc.n[r];
+      float m = sc.m[r];
+      for (int64_t s = s0; s < s1; ++s) {
+        if (s >= base && !a.sees(b, t, s - base)) continue;
+        const float x = dot(q, kb + s * a.sk[2], D) * a.scale;
+        p[n++] = x;
+        m = std::max(m, x);
+      }
+      sc.n[r] = n;
+      sc.m[r] = m;
+    }
+  }
+  // Probabilities (elementwise, so independent of the vector grouping); padding stays -inf -> 0.
+  for (int64_t r = 0; r < rows; ++r) {
+    float* p = &sc.p[r * cap];
+    const Vec mv = vset1(sc.m[r]);
+    for (int64_t i = 0; i < sc.n[r]; i += kLanes) {
+#ifdef EAGLE31_AVX2
+      vstore(p + i, vexp(_mm256_sub_ps(vload(p + i), mv)));
+#else
+      Vec x = vload(p + i);
+      for (int e = 0; e < kLanes; ++e) x.l[e] = x.l[e] - mv.l[e];
+      vstore(p + i, vexp(x));
+#endif
+    }
+    sc.n[r] = 0;
+  }
+  // Pass 2: l = sum p_i and acc = sum p_i v_i, sequential in list order.
+  Vec acc[kMaxVec];
+  float tail[kLanes];
+  for (int64_t s0 = 0; s0 < end; s0 += kKeyBlock) {
+    const int64_t s1 = std::min(end, s0 + kKeyBlock);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t t = query_t(r);
+      const float* p = &sc.p[r * cap];
+      float* keep = &sc.acc[r * D];
+      for (int64_t c = 0; c < dv; ++c) acc[c] = vload(keep + c * kLanes);
+      for (int64_t d = dv * kLanes; d < D; ++d) tail[d - dv * kLanes] = keep[d];
+      int64_t n = sc.n[r];
+      float l = sc.l[r];
+      for (int64_t s = s0; s < s1; ++s) {
+        if (s >= base && !a.sees(b, t, s - base)) continue;
+        const float pi = p[n++];
+        l = l + pi;
+        accumulate<DV>(acc, tail, pi, vb + s * a.sv[2], dv, D);
+      }
+      for (int64_t c = 0; c < dv; ++c) vstore(keep + c * kLanes, acc[c]);
+      for (int64_t d = dv * kLanes; d < D; ++d) keep[d] = tail[d - dv * kLanes];
+      sc.n[r] = n;
+      sc.l[r] = l;
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* out = a.out + b * a.so[0] + (h0 + r / (t1 - t0)) * a.so[1] + query_t(r) * a.so[2];
+    const float l = sc.l[r];
+    for (int64_t d = 0; d < D; ++d) out[d * a.so[3]] = sc.n[r] == 0 ? 0.0f : sc.acc[r * D + d] / l;
+  }
+}
+
+at::Tensor bi_tree_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                             const at::Tensor& base, const std::optional<at::Tensor>& local, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat,
+              "eagle31::bi_tree_attention: float32 q, k_cache and v_cache required");
+  TORCH_CHECK(q.size(3) <= 256, "eagle31::bi_tree_attention: head_dim ", q.size(3), " > 256");
+  // The head dim must be contiguous for the vector loads; other strides are free.
+  const at::Tensor qc = q.stride(3) == 1 ? q : q.contiguous();
+  const at::Tensor kc = k_cache.stride(3) == 1 ? k_cache : k_cache.contiguous();
+  const at::Tensor vc = v_cache.stride(3) == 1 ? v_cache : v_cache.contiguous();
+  const at::Tensor bc = base.contiguous();
+  at::Tensor lc;
+  if (local.has_value() && local->defined()) lc = *local;
+  at::Tensor out = at::empty_like(q);
+  AttentionArgs a{};
+  a.q = qc.data_ptr<float>();
+  a.k = kc.data_ptr<float>();
+  a.v = vc.data_ptr<float>();
+  a.base = bc.data_ptr<int64_t>();
+  a.local = lc.defined() ? lc.data_ptr<bool>() : nullptr;
+  a.out = out.data_ptr<float>();
+  a.B = q.size(0);
+  a.Hq = q.size(1);
+  a.T = q.size(2);
+  a.D = q.size(3);
+  a.Hkv = k_cache.size(1);
+  a.S = k_cache.size(2);
+  a.W = lc.defined() ? lc.size(2) : a.T;
+  for (int i = 0; i < 4; ++i) {
+    a.sq[i] = qc.stride(i);
+    a.sk[i] = kc.stride(i);
+    a.sv[i] = vc.stride(i);
+    a.so[i] = out.stride(i);
+  }
+  if (lc.defined())
+    for (int i = 0; i < 3; ++i) a.sl[i] = lc.stride(i);
+  a.scale = static_cast<float>(scale);
+  for (int64_t b = 0; b < a.B; ++b)
+    TORCH_CHECK(a.base[b] >= 0 && a.base[b] + a.W <= a.S, "eagle31::bi_tree_attention: row ", b, " block [",
+                a.base[b], ", ", a.base[b] + a.W, ") is outside the cache's ", a.S, " slots");
+  // Work items: (batch row, KV head, tile of queries), each loading a key block once for its G query heads x
+  // kQueryTile queries; when that leaves too few items for the threads, the query heads split too. Neither
+  // choice changes any row's arithmetic.
+  constexpr int64_t kQueryTile = 8;
+  const int64_t group = a.Hq / a.Hkv;
+  const int64_t tiles = (a.T + kQueryTile - 1) / kQueryTile;
+  const int64_t heads_per_item = a.B * a.Hkv * tiles >= 2 * at::get_num_threads() ? group : 1;
+  const int64_t head_items = a.Hq / heads_per_item;
+  const int64_t items = a.B * head_items * tiles;
+  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+    Scratch sc;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t tile = i % tiles, hi = (i / tiles) % head_items, b = i / (tiles * head_items);
+      const int64_t h0 = hi * heads_per_item, t0 = tile * kQueryTile;
+      const int64_t t1 = std::min(a.T, t0 + kQueryTile);
+      if (a.D == 64)
+        attention_tile<8>(a, b, h0, h0 + heads_per_item, t0, t1, sc);
+      else if (a.D == 128)
+        attention_tile<16>(a, b, h0, h0 + heads_per_item, t0, t1, sc);
+      else
+        attention_tile<0>(a, b, h0, h0 + heads_per_item, t0, t1, sc);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(eagle31, CPU, m) {
+  m.impl("bi_linear", &bi_linear);
+  m.impl("bi_tree_attention", &bi_tree_attention);
+}

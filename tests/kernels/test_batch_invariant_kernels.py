@@ -1,0 +1,73 @@
+"""The batch-invariant CPU kernels themselves: `eagle31::bi_linear` and `eagle31::bi_tree_attention` give a row
+(a query) the same bits whatever else the call carries and however many threads run it, and stay within float32
+rounding of `F.linear` and the dense attention oracle. The whole-program checks are in
+tests/runtime/test_batch_invariance.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eagle_compile.kernels import batch_invariant as bi
+from eagle_compile.kernels.tree_attention import tree_attention_reference
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("k, n, bias", [(64, 40, False), (37, 13, True), (200, 96, True)])   # 37, 13: tails
+def test_bi_linear_rows_do_not_depend_on_the_other_rows_or_threads(k, n, bias):
+    g = torch.Generator().manual_seed(k)
+    w, x = torch.randn(n, k, generator=g), torch.randn(21, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    torch.set_num_threads(1)
+    alone = torch.cat([bi.bi_linear(x[i:i + 1], w, b) for i in range(21)])
+    assert torch.allclose(alone, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for m in (2, 3, 5, 8, 21):
+            assert torch.equal(bi.bi_linear(x[:m], w, b), alone[:m]), (m, threads)
+        assert torch.equal(bi.bi_linear(x[5:13], w, b), alone[5:13])              # rows at other tile offsets
+    assert bi.bi_linear(x.view(3, 7, k), w, b).shape == (3, 7, n)
+
+
+def test_bi_tree_attention_matches_the_oracle_and_a_token_sees_the_same_bits_everywhere():
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 2, 120, 16, generator=g), torch.randn(2, 2, 120, 16, generator=g)
+    q, base = torch.randn(2, 4, 12, 16, generator=g), torch.tensor([50, 7])
+    local = torch.rand(2, 12, 12, generator=g) < 0.5
+    for loc in (None, local):
+        ref = tree_attention_reference(q, k, v, base, loc, 0.25)
+        assert torch.allclose(bi.bi_tree_attention(q, k, v, base, loc, 0.25), ref, atol=1e-5)
+    # one query at position p = 60: decoded alone, inside a causal chunk, on the path of a tree
+    p, query = 60, q[:1, :, :1]
+    one = bi.bi_tree_attention(query, k[:1], v[:1], torch.tensor([p]), None, 0.25)
+    chunk = torch.randn(1, 4, 6, 16, generator=g)
+    chunk[:, :, 3] = query[:, :, 0]
+    assert torch.equal(bi.bi_tree_attention(chunk, k[:1], v[:1], torch.tensor([p - 3]), None, 0.25)[:, :, 3:4], one)
+    kt, vt = k[:1].clone(), v[:1].clone()                   # the path p-2, p-1, p at block slots 0, 2, 4
+    for j, pos in ((0, p - 2), (2, p - 1), (4, p)):
+        kt[:, :, p - 2 + j], vt[:, :, p - 2 + j] = k[:1, :, pos], v[:1, :, pos]
+    tree = torch.randn(1, 4, 6, 16, generator=g)
+    tree[:, :, 4] = query[:, :, 0]
+    mask = torch.eye(6, dtype=torch.bool)[None].clone()
+    mask[0, 4, [0, 2]] = True
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        out = bi.bi_tree_attention(tree, kt, vt, torch.tensor([p - 2]), mask, 0.25)[:, :, 4:5]
+        assert torch.equal(out, one), threads
+
+
+def test_the_kernels_refuse_what_they_do_not_compute():
+    with pytest.raises(RuntimeError, match="float32"):
+        bi.bi_linear(torch.randn(2, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match=r"\[N, K\]"):
+        bi.bi_linear(torch.randn(2, 4), torch.randn(3, 5))
+    k = torch.randn(1, 1, 8, 16)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        bi.bi_tree_attention(torch.randn(1, 2, 4, 16), k, k, torch.tensor([6]), None, 0.25)

@@ -1,0 +1,75 @@
+"""Batch-invariant programs (numerics="batch_invariant"): a token's logits and feature taps are bit-identical
+whether the target program computes it alone (N = 1), in a prefill chunk of N, inside a verify tree of N nodes,
+in another batch row or in a larger batch bucket; the draft head's scores likewise across tree-level widths.
+Negative control: the same checks catch a deliberately N-dependent linear (TESTING.md: a check that cannot fail
+proves nothing). Lossless end to end on the tiny models here, on the real target in tests/test_real_target.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from invariance import invariance_failures, invariant_program
+from tiny import greedy_reference, random_head, tiny_target
+
+import eagle_compile
+from eagle_compile.draft.drafter import EagleDrafter
+from eagle_compile.kernels import batch_invariant
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])   # Llama-like, + biases (qwen2) or + q/k norms (qwen3)
+def test_logits_and_taps_do_not_depend_on_tokens_per_call_tree_or_batch_row(arch):
+    model = tiny_target(arch, seed=5, dtype=torch.float32)
+    program = invariant_program(model)
+    assert invariance_failures(model, program) == []
+    ctx = program.contexts[0]
+    assert ctx.counts["batch_invariant"] > 0 and ctx.counts["tree_attention"] > 0   # the swap happened
+
+
+def test_the_checks_catch_an_n_dependent_linear(monkeypatch):
+    """Negative control: a linear that splits its reduction in two when a call carries several rows."""
+    def n_dependent(x, weight, bias=None):
+        rows = x.numel() // x.shape[-1]
+        if rows == 1:
+            return torch.nn.functional.linear(x, weight, bias)
+        half = x.shape[-1] // 2
+        out = x[..., :half] @ weight[:, :half].T + x[..., half:] @ weight[:, half:].T
+        return out if bias is None else out + bias
+
+    model = tiny_target("llama", seed=5, dtype=torch.float32)
+    lib = torch.library.Library("eagle31", "IMPL")
+    lib.impl("bi_linear", n_dependent, "CPU")
+    try:
+        failures = invariance_failures(model, invariant_program(model), chunks=(2,), trees=(4,), batches=())
+    finally:
+        lib._destroy()
+    batch_invariant.load.cache_clear()
+    batch_invariant.load()                          # re-register the real kernels
+    assert "prefill chunks of 2" in failures and "verify tree of 4" in failures
+
+
+def test_draft_scores_do_not_depend_on_the_level_width():
+    target = tiny_target("llama", seed=3, dtype=torch.float32)
+    head = random_head(target, flags=True, seed=2, reduced=True).float()
+    drafter = EagleDrafter(head, numerics="batch_invariant")
+    rows = torch.randn(1, 16, target.config.hidden_size)
+    wide = drafter.top_k(rows, 4)
+    for w in (1, 2, 3, 8):
+        part = drafter.top_k(rows[:, :w], 4)
+        assert torch.equal(part[0], wide[0][:, :w]) and torch.equal(part[1], wide[1][:, :w])
+
+
+@pytest.mark.parametrize("arch", ["llama"])
+def test_speculative_greedy_equals_plain_mode_with_the_invariant_kernels(arch):
+    model = tiny_target(arch, seed=7, dtype=torch.float32)
+    head = random_head(model, flags=True, seed=4, reduced=False).float()
+    ids = torch.randint(3, 96, (2, 11), generator=torch.Generator().manual_seed(1))
+    plain = eagle_compile.generate(model, ids, max_new_tokens=40, return_dict_in_generate=True,
+                                   options={"speculate": False, "numerics": "batch_invariant"})
+    assert "numerics batch_invariant" in plain.stats.lowering
+    for options in ({"depth": 4, "top_k": 3, "total_tokens": 10}, {"chain": 3}):
+        out = eagle_compile.generate(model, ids, draft=head, max_new_tokens=40, return_dict_in_generate=True,
+                                     options={**options, "numerics": "batch_invariant"})
+        assert torch.equal(out.sequences, plain.sequences), options
+    # and the eager path equals HF eager greedy (the option that keeps HF's rounding)
+    eager = eagle_compile.generate(model, ids, draft=head, max_new_tokens=40, options={"numerics": "eager"})
+    assert torch.equal(eager, greedy_reference(model, ids, max_new_tokens=40))
