@@ -179,20 +179,24 @@ def lowering_for(inner_backend: str, inductor_config: str | Mapping[str, Any] | 
     else:
         shown = f", inductor_config={inductor_config!r}" if inductor_config is not None else ""
         lowering = make_lowering(inner_backend, inductor_config, f"inner_backend={inner_backend!r}{shown}")
-    lowering.numerics, lowering.numerics_reason = resolve_numerics(numerics, device, dtype)
+    lowering.numerics, lowering.numerics_reason = resolve_numerics(numerics, device, dtype, lowering.backend)
     return lowering
 
 
 NUMERICS = ("auto", "batch_invariant", "eager")
 
 
-def resolve_numerics(numerics: str, device: torch.device | str, dtype: torch.dtype) -> tuple[str, str]:
+def resolve_numerics(numerics: str, device: torch.device | str, dtype: torch.dtype,
+                     backend: str = "eager") -> tuple[str, str]:
     """(numerics the programs get, why) for the `numerics` option.
 
     "batch_invariant": the kernels of eagle_compile/kernels/batch_invariant.py (float32 CPU targets; a token's
     logits do not depend on the batch or on how many tokens a forward carries, so speculative output equals the
     plain mode's bit for bit). "eager": the traced ops' own kernels (MKL on CPU), equal to HF eager's rounding.
-    "auto": batch_invariant where it runs (float32 on CPU, kernels built), else eager.
+    "auto": batch_invariant where it runs (float32 on CPU, kernels built, programs run as FX graphs), else eager.
+    Not with the inductor `backend`: inductor generates its own code for the norms, tiled per shape, which is not
+    proven invariant (the batch-invariant kernels cover the linears and attention; torch's eager norms reduce
+    each row by itself).
     """
     if numerics not in NUMERICS:
         raise OptionsError(f"numerics={numerics!r}; valid values: {list(NUMERICS)}")
@@ -200,6 +204,12 @@ def resolve_numerics(numerics: str, device: torch.device | str, dtype: torch.dty
         return "eager", "numerics='eager': the traced ops' kernels (HF eager's rounding)"
     kind = torch.device(device).type
     fits = kind == "cpu" and dtype == torch.float32
+    if backend == "inductor":
+        if numerics == "batch_invariant":
+            raise OptionsError("numerics='batch_invariant' needs inner_backend 'eager' or 'auto': inductor "
+                               "compiles the norms its own way per shape, which is not proven batch-invariant")
+        return "eager", "numerics='auto' with inductor: the traced ops' kernels (inductor's norms are not proven " \
+                        "batch-invariant)"
     if numerics == "batch_invariant":
         if not fits:
             raise OptionsError(f"numerics='batch_invariant' runs float32 CPU targets; this one is {kind} {dtype} "

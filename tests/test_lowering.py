@@ -1,9 +1,11 @@
 """Lowering: inductor settings apply to eagle31's programs only, never to the user's global inductor config."""
 
+import pytest
 import torch
 import torch._dynamo.config as dynamo_config
 import torch._inductor.config as inductor_config
 
+from eagle_compile.errors import OptionsError
 from eagle_compile.lowering import Lowering, resolve_inductor_config
 
 
@@ -24,3 +26,18 @@ def test_inductor_settings_are_scoped_to_our_programs():
     with Lowering(backend="inductor", config={"freezing": True}).tracing():
         assert dynamo_config.prepare_freezing, "freezing needs parameters traced as attributes inside our scope"
     assert dynamo_config.prepare_freezing == before[1], "the scope leaked"
+
+
+def test_numerics_resolve_per_device_dtype_and_backend():
+    from eagle_compile.lowering import lowering_for
+
+    assert lowering_for("auto", None, "cpu", torch.float32, "auto").numerics == "batch_invariant"
+    assert lowering_for("auto", None, "cpu", torch.float64, "auto").numerics == "eager"
+    assert lowering_for("eager", None, "cpu", torch.float32, "eager").numerics == "eager"
+    assert lowering_for("inductor", None, "cpu", torch.float32, "auto").numerics == "eager"
+    with pytest.raises(OptionsError, match="inductor"):
+        lowering_for("inductor", None, "cpu", torch.float32, "batch_invariant")
+    with pytest.raises(OptionsError, match="float32 CPU"):
+        lowering_for("auto", None, "cpu", torch.bfloat16, "batch_invariant")
+    with pytest.raises(OptionsError, match="valid values"):
+        lowering_for("auto", None, "cpu", torch.float32, "fast")

@@ -80,7 +80,7 @@ class EagleDrafter:
         """[..., H] -> (log-probs [..., k] best first, target ids [..., k]); the `draft_subgraph` pass replaces
         this whole function with `eagle31::draft_topk` in a step program."""
         with self._numerics():
-            logits = self.model.logits(head_input)
+            logits = self.model.logits(head_input, small_rows_product=self.numerics != "batch_invariant")
         logp = torch.log_softmax(logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits, -1)
         scores, ids = torch.topk(logp, k, dim=-1, sorted=True)
         return scores, self.model.draft_to_target(ids)

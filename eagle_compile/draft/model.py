@@ -326,18 +326,16 @@ class EagleDraftModel(nn.Module):
         cos, sin = self.rotary_emb(hidden, position_ids)
         self.midlayer.fill(embeds, hidden, cos, sin, kv, write_slots)
 
-    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+    def logits(self, normed: torch.Tensor, small_rows_product: bool = True) -> torch.Tensor:
         """Draft-vocabulary logits ``[B, T, Vd]`` of ``normed`` (= ``norm(o)``; never normalised again).
 
         A few rows on CPU (a draft tree level: K frontier nodes) go through ``W @ x.T``: MKL's GEMM for 2-16 rows
         against the [Vd, H] head is 1.8x slower than that product (8192 x 576, 3 rows: 6.6 vs 3.7 ms, 1 thread),
         and the lm_head is most of a draft level's cost. One row and many rows (training) keep ``F.linear``, and so does
-        the batch-invariant mode (its own kernel is faster than both)."""
-        from eagle_compile.kernels import batch_invariant
-
+        ``small_rows_product=False`` (the batch-invariant numerics: their own kernel is faster than both)."""
         rows = normed.numel() // normed.shape[-1]
-        if (normed.device.type != "cpu" or not 2 <= rows <= 16 or self.lm_head.bias is not None
-                or batch_invariant.active()):
+        if (not small_rows_product or normed.device.type != "cpu" or not 2 <= rows <= 16
+                or self.lm_head.bias is not None):
             return self.lm_head(normed)
         flat = normed.reshape(rows, normed.shape[-1])
         return torch.mm(self.lm_head.weight, flat.t()).t().reshape(*normed.shape[:-1], -1)

@@ -9,10 +9,12 @@ call carries, the row or tile a token lands in, the thread count and the cache's
 (`cpu/batch_invariant.cpp` states the rules). The `batch_invariant` pass (passes/batch_invariant.py) swaps the
 target programs' linears and attention for them under `numerics="batch_invariant"`.
 
-The C++ source is compiled on first use with `torch.utils.cpp_extension.load` (g++ and ninja; ~1 minute on a
+The C++ source is compiled on first use with `torch.utils.cpp_extension.load` (g++ and ninja; ~25 s on a
 2-core machine), then cached by torch in `TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`; delete
-it to force a rebuild). AVX2+FMA code where the CPU has it, portable C++ otherwise (both batch-invariant; the
-two round differently from each other, so compare results on one machine).
+it to force a rebuild). The build's name carries the torch version and the instruction set, so a torch upgrade
+builds afresh instead of loading a library compiled against other headers. AVX2+FMA code where the CPU has it,
+portable C++ otherwise (both batch-invariant; the two round differently from each other, so compare results on
+one machine).
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ def load() -> str:
 
     _ninja_on_path()
     flags = _flags()
-    name = "eagle31_batch_invariant" + ("_avx2" if "-mavx2" in flags else "_portable")
+    version = "".join(c if c.isalnum() else "_" for c in torch.__version__)
+    name = f"eagle31_batch_invariant_{'avx2' if '-mavx2' in flags else 'portable'}_torch{version}"
     try:
         cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                            is_python_module=False,
@@ -118,23 +121,32 @@ def available() -> tuple[bool, str]:
 class BatchInvariantMode(torch.overrides.TorchFunctionMode):
     """Runs eager module code (the draft head's host-loop forward) on the batch-invariant kernels: `F.linear`
     and `eagle31::tree_attention` calls on float32 CPU tensors go to `bi_linear` / `bi_tree_attention`.
-    Captured programs get the same swap from the batch_invariant pass instead."""
+    Captured programs get the same swap from the batch_invariant pass instead. For inference (the kernels have
+    no autograd formula)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in (F.linear, torch._C._nn.linear) and _cpu_float32(args[0]):
-            return bi_linear(*args, **kwargs)
-        if func in _TREE_ATTENTION and _cpu_float32(args[0]):
-            return bi_tree_attention(*args, **kwargs)
+        if func in (F.linear, torch._C._nn.linear):
+            call = _bind(LINEAR_ARGS, args, kwargs)
+            if _cpu_float32(call[0]):
+                return bi_linear(*call)
+        elif func in _TREE_ATTENTION:
+            call = _bind(ATTENTION_ARGS, args, kwargs)
+            if _cpu_float32(call[0]):
+                return bi_tree_attention(*call)
         return func(*args, **kwargs)
+
+
+#: argument names of F.linear and of eagle31::tree_attention, in order (what a call may pass by keyword)
+LINEAR_ARGS = ("input", "weight", "bias")
+ATTENTION_ARGS = ("q", "k_cache", "v_cache", "base", "local", "scale")
+
+
+def _bind(names: tuple[str, ...], args: tuple, kwargs: dict) -> tuple:
+    """Positional arguments of a call given partly by keyword; missing trailing optionals are None."""
+    return tuple(args[i] if i < len(args) else kwargs.get(name) for i, name in enumerate(names))
 
 
 def _cpu_float32(t) -> bool:
     return isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dtype == torch.float32
 
-
-def active() -> bool:
-    """Whether a `BatchInvariantMode` is on (code with its own fast paths then takes the plain `F.linear`)."""
-    from torch.overrides import _get_current_function_mode_stack
-
-    return any(isinstance(m, BatchInvariantMode) for m in _get_current_function_mode_stack())

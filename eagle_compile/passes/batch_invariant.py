@@ -8,8 +8,10 @@ first two are swapped for `eagle31::bi_linear` / `eagle31::bi_tree_attention`. T
 last dim) reduce each row by itself in a fixed order and are left as traced; the tests check that claim on
 every program shape.
 
-A program that keeps a reduction the pass cannot make invariant (a dense SDPA because kernels="off", a matmul
-over a reduced dimension > 1) raises: numerics="batch_invariant" is a promise, so it is never silently broken.
+A program that keeps a reduction the pass cannot make invariant (a dense SDPA because kernels="off", a matmul,
+einsum or tensordot over a reduced dimension > 1) raises: numerics="batch_invariant" is a promise, so it is
+never silently broken. The one recorded exception is the draft's fused ops under kernels="on" (their own GEMMs
+only change which tokens the draft proposes, never the output).
 """
 
 from __future__ import annotations
@@ -25,8 +27,14 @@ from eagle_compile.passes.tree_attention import _SDPA
 BATCH_INVARIANT = "batch_invariant"
 
 _LINEAR = {torch._C._nn.linear, F.linear, torch.ops.aten.linear.default}
-_MATMUL = {torch.matmul, operator.matmul, torch.bmm, torch.mm, torch.ops.aten.mm.default, torch.ops.aten.bmm.default,
-           torch.ops.aten.addmm.default, torch.ops.aten.matmul.default}
+#: products whose first matrix operand is argument 0, or argument 1 for the ones that add a term first
+_MATMUL = {torch.matmul: 0, operator.matmul: 0, torch.bmm: 0, torch.mm: 0, torch.ops.aten.mm.default: 0,
+           torch.ops.aten.bmm.default: 0, torch.ops.aten.matmul.default: 0, torch.addmm: 1, torch.baddbmm: 1,
+           torch.addbmm: 1, torch.ops.aten.addmm.default: 1, torch.ops.aten.baddbmm.default: 1}
+_MATMUL_METHODS = {"matmul": 0, "mm": 0, "bmm": 0, "__matmul__": 0, "addmm": 1, "baddbmm": 1, "addbmm": 1}
+_OPAQUE_PRODUCTS = {torch.einsum, torch.tensordot, torch.ops.aten.einsum.default}
+#: fused draft ops (kernels="on") that do their own GEMMs: the target stays invariant, the draft's scores not
+_FUSED_DRAFT = ("fc_norm_fuse", "draft_topk")
 
 
 class NotBatchInvariant(RuntimeError):
@@ -41,42 +49,53 @@ def batch_invariant(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Grap
     from eagle_compile.kernels import batch_invariant as kernels
 
     kernels.load()
-    sites = 0
+    attention = {torch.ops.eagle31.tree_attention, torch.ops.eagle31.tree_attention.default}
+    sites, fused = 0, []
     for node in list(gm.graph.nodes):
+        if node.op == "call_method" and node.target in _MATMUL_METHODS:
+            _refuse_reducing(node, _MATMUL_METHODS[node.target])
         if node.op != "call_function":
             continue
         if node.target in _LINEAR:
-            args = list(node.args) + [None] * (3 - len(node.args))
-            x, weight, bias = args[0], node.kwargs.get("weight", args[1]), node.kwargs.get("bias", args[2])
-            _retarget(node, torch.ops.eagle31.bi_linear.default, (x, weight, bias))
+            _retarget(node, torch.ops.eagle31.bi_linear.default, kernels.LINEAR_ARGS)
             sites += 1
-        elif node.target is torch.ops.eagle31.tree_attention.default:
-            _retarget(node, torch.ops.eagle31.bi_tree_attention.default, tuple(node.args))
+        elif node.target in attention:
+            _retarget(node, torch.ops.eagle31.bi_tree_attention.default, kernels.ATTENTION_ARGS)
             sites += 1
         elif node.target in _SDPA:
             raise NotBatchInvariant("numerics='batch_invariant': an attention over a dense mask is left in the "
                                     "program (kernels='off' keeps SDPA as traced); use kernels='auto' or "
                                     "numerics='eager'")
-        elif node.target in _MATMUL and _reduces(node):
-            raise NotBatchInvariant(f"numerics='batch_invariant': {node.format_node()} reduces over a dimension "
-                                    "the pass has no batch-invariant kernel for; use numerics='eager'")
+        elif node.target in _MATMUL:
+            _refuse_reducing(node, _MATMUL[node.target])
+        elif node.target in _OPAQUE_PRODUCTS:
+            _refuse(node)
+        elif any(name in str(node.target) for name in _FUSED_DRAFT):
+            fused.append(str(node.target))
     gm.graph.lint()
     gm.recompile()
-    ctx.record("batch_invariant", sites, "linears and attention on the batch-invariant kernels")
+    detail = "linears and attention on the batch-invariant kernels"
+    if fused:
+        detail += (f"; the fused draft ops {sorted(set(fused))} (kernels='on') keep their own GEMMs: the target's "
+                   "logits stay invariant (output stays exact), the draft's scores may vary with the tree width")
+    ctx.record("batch_invariant", sites, detail)
     return gm
 
 
-def _retarget(node: torch.fx.Node, target, args: tuple) -> None:
-    node.target = target
-    node.args = args
-    node.kwargs = {}
+def _retarget(node: torch.fx.Node, target, names: tuple[str, ...]) -> None:
+    args = tuple(node.args[i] if i < len(node.args) else node.kwargs.get(name) for i, name in enumerate(names))
+    node.target, node.args, node.kwargs = target, args, {}
 
 
-def _reduces(node: torch.fx.Node) -> bool:
-    """Whether a matmul sums over more than one element (K > 1); a K = 1 product (RoPE's position x inverse
-    frequency) is one rounding per element whatever the batch."""
-    first = node.args[0] if node.args else None
+def _refuse_reducing(node: torch.fx.Node, operand: int) -> None:
+    """Raise unless the product sums over one element only (K = 1: RoPE's position x inverse frequency is one
+    rounding per element whatever the batch)."""
+    first = node.args[operand] if len(node.args) > operand else None
     value = first.meta.get("example_value") if isinstance(first, torch.fx.Node) else None
-    if value is None:
-        return True
-    return value.shape[-1] > 1
+    if value is None or value.dim() == 0 or value.shape[-1] > 1:
+        _refuse(node)
+
+
+def _refuse(node: torch.fx.Node) -> None:
+    raise NotBatchInvariant(f"numerics='batch_invariant': {node.format_node()} reduces over a dimension the pass "
+                            "has no batch-invariant kernel for; use numerics='eager'")

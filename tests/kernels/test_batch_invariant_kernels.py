@@ -71,3 +71,24 @@ def test_the_kernels_refuse_what_they_do_not_compute():
     k = torch.randn(1, 1, 8, 16)
     with pytest.raises(RuntimeError, match="outside the cache"):
         bi.bi_tree_attention(torch.randn(1, 2, 4, 16), k, k, torch.tensor([6]), None, 0.25)
+
+
+def test_edge_cases_follow_the_reference():
+    """An empty reduction gives the bias; a NaN key makes the rows that see it NaN (not a silent finite value)."""
+    out = bi.bi_linear(torch.randn(2, 3, 0), torch.randn(4, 0), torch.arange(4.0))
+    assert torch.equal(out, torch.arange(4.0).expand(2, 3, 4))
+    q, k = torch.randn(1, 2, 2, 8), torch.randn(1, 1, 6, 8)
+    k[0, 0, 3, 0] = float("nan")
+    out = bi.bi_tree_attention(q, k, k, torch.tensor([3]), None, 0.3)   # query 0 sees slots 0-3, 1 sees 0-4
+    assert out.isnan().all()
+    assert not bi.bi_tree_attention(q, k, k, torch.tensor([1]), None, 0.3).isnan().any()   # slots 0-2 only
+    with pytest.raises(RuntimeError, match="multiple of Hkv"):
+        torch.ops.eagle31.bi_tree_attention.default(torch.randn(1, 2, 1, 8), torch.randn(1, 3, 5, 8),
+                                                    torch.randn(1, 3, 5, 8), torch.tensor([4]), None, 0.3)
+
+
+def test_the_mode_takes_keyword_arguments():
+    x, w = torch.randn(3, 4), torch.randn(5, 4)
+    with bi.BatchInvariantMode():
+        assert torch.equal(F.linear(input=x, weight=w), bi.bi_linear(x, w))
+        assert torch.equal(F.linear(x, w, bias=torch.ones(5)), bi.bi_linear(x, w, torch.ones(5)))

@@ -66,7 +66,8 @@ def test_speculative_greedy_equals_plain_mode_with_the_invariant_kernels(arch):
     plain = eagle_compile.generate(model, ids, max_new_tokens=40, return_dict_in_generate=True,
                                    options={"speculate": False, "numerics": "batch_invariant"})
     assert "numerics batch_invariant" in plain.stats.lowering
-    for options in ({"depth": 4, "top_k": 3, "total_tokens": 10}, {"chain": 3}):
+    for options in ({"depth": 4, "top_k": 3, "total_tokens": 10}, {"chain": 3},
+                    {"depth": 3, "top_k": 2, "total_tokens": 6, "step_program": True}):
         out = eagle_compile.generate(model, ids, draft=head, max_new_tokens=40, return_dict_in_generate=True,
                                      options={**options, "numerics": "batch_invariant"})
         assert torch.equal(out.sequences, plain.sequences), options

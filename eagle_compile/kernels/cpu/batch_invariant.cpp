@@ -139,7 +139,8 @@ at::Tensor bi_linear(const at::Tensor& input, const at::Tensor& weight, const st
               "eagle31::bi_linear: input [..., K] and weight [N, K] expected, got ", input.sizes(), " and ",
               weight.sizes());
   const int64_t K = weight.size(1), N = weight.size(0);
-  const at::Tensor x = input.reshape({-1, K}).contiguous();
+  const int64_t M = c10::multiply_integers(input.sizes().begin(), input.sizes().end() - 1);
+  const at::Tensor x = input.reshape({M, K}).contiguous();
   const at::Tensor w = weight.contiguous();
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
@@ -147,11 +148,14 @@ at::Tensor bi_linear(const at::Tensor& input, const at::Tensor& weight, const st
                 "eagle31::bi_linear: bias must be float32 [N] = [", N, "], got ", bias->sizes());
     b = bias->contiguous();
   }
-  const int64_t M = x.size(0);
   std::vector<int64_t> out_shape(input.sizes().begin(), input.sizes().end());
   out_shape.back() = N;
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y.reshape(out_shape);
+  if (K == 0) {   // an empty sum: the bias, or zeros
+    if (b.defined()) y.copy_(b.expand({M, N})); else y.zero_();
+    return y.reshape(out_shape);
+  }
   // Column blocks of a multiple of 8 (the tile widths 4 and 8) whose weights (~128 KiB) stay in L2
   // while every row tile passes over them.
   const int64_t block = std::max<int64_t>(8, (32768 / std::max<int64_t>(K, 1)) / 8 * 8);
@@ -173,13 +177,13 @@ at::Tensor bi_linear(const at::Tensor& input, const at::Tensor& weight, const st
 //   s_i = dot(q, k_i) * scale over the visible keys i in list order; m = max s_i; p_i = exp(s_i - m);
 //   l = sum p_i and acc = sum p_i v_i, both sequential in list order; out = acc / l (0 when nothing is visible).
 
-// exp for x <= 0 (x = s - max): Cody-Waite reduction by ln 2 and a degree-6 polynomial (~1 ulp); the same
+// exp for x <= 0 (x = s - max; NaN stays NaN): Cody-Waite reduction by ln 2 and a degree-6 polynomial (~1 ulp); the same
 // operations for every element, vector or not.
 #ifdef EAGLE31_AVX2
 inline Vec vexp(Vec x) {
   const Vec lo = vset1(-87.0f);
   const __m256 too_small = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_max_ps(x, lo);
+  x = _mm256_max_ps(lo, x);   // NaN stays NaN (max_ps returns its second operand when either is NaN)
   const Vec n = _mm256_round_ps(_mm256_mul_ps(x, vset1(1.44269504088896341f)),
                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   Vec r = vfma(n, vset1(-0.693359375f), x);
@@ -201,6 +205,10 @@ inline Vec vexp(Vec x) {
   Vec out;
   for (int i = 0; i < kLanes; ++i) {
     float v = x.l[i];
+    if (v != v) {
+      out.l[i] = v;
+      continue;
+    }
     if (v < -87.0f) {
       out.l[i] = 0.0f;
       continue;
@@ -299,7 +307,7 @@ void attention_tile(const AttentionArgs& a, int64_t b, int64_t h0, int64_t h1, i
         if (s >= base && !a.sees(b, t, s - base)) continue;
         const float x = dot(q, kb + s * a.sk[2], D) * a.scale;
         p[n++] = x;
-        m = std::max(m, x);
+        m = (x > m || x != x) ? x : m;   // a NaN score makes the row's max (and output) NaN, like the reference
       }
       sc.n[r] = n;
       sc.m[r] = m;
@@ -357,6 +365,20 @@ at::Tensor bi_tree_attention(const at::Tensor& q, const at::Tensor& k_cache, con
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
                   v_cache.scalar_type() == at::kFloat,
               "eagle31::bi_tree_attention: float32 q, k_cache and v_cache required");
+  TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "eagle31::bi_tree_attention: expected q [B,Hq,T,hd], k_cache and v_cache [B,Hkv,S,hd]; got q ",
+              q.sizes(), ", k_cache ", k_cache.sizes(), ", v_cache ", v_cache.sizes());
+  TORCH_CHECK(k_cache.size(0) == q.size(0) && k_cache.size(3) == q.size(3) && k_cache.size(1) > 0 &&
+                  q.size(1) % k_cache.size(1) == 0,
+              "eagle31::bi_tree_attention: q ", q.sizes(), " does not fit k_cache ", k_cache.sizes(),
+              ": batch and head_dim must match and Hq must be a multiple of Hkv");
+  TORCH_CHECK(base.dim() == 1 && base.size(0) == q.size(0) && base.scalar_type() == at::kLong,
+              "eagle31::bi_tree_attention: base must be [B] int64, got ", base.sizes(), " ", base.scalar_type());
+  if (local.has_value() && local->defined())
+    TORCH_CHECK(local->dim() == 3 && local->size(0) == q.size(0) && local->size(1) == q.size(2) &&
+                    local->scalar_type() == at::kBool,
+                "eagle31::bi_tree_attention: local must be [B, T, W] bool, got ", local->sizes(), " ",
+                local->scalar_type());
   TORCH_CHECK(q.size(3) <= 256, "eagle31::bi_tree_attention: head_dim ", q.size(3), " > 256");
   // The head dim must be contiguous for the vector loads; other strides are free.
   const at::Tensor qc = q.stride(3) == 1 ? q : q.contiguous();
