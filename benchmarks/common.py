@@ -133,17 +133,10 @@ def median_time(fn: Callable[[], Any], *, repeats: int, warmup: int) -> dict[str
 
 
 def interleaved_times(calls: dict[Any, Callable[[], Any]], *, repeats: int, warmup: int) -> dict[Any, dict]:
-    """Median (and min/max) seconds of each call, timed round-robin (one call of each per round, `warmup`
-    untimed rounds first), so that a change of the machine's load during the run affects every call alike."""
-    for _ in range(warmup):
-        for fn in calls.values():
-            fn()
-    times: dict[Any, list[float]] = {key: [] for key in calls}
-    for _ in range(repeats):
-        for key, fn in calls.items():
-            times[key].append(timed(fn)[1])
-    return {key: {"median": statistics.median(t), "min": min(t), "max": max(t), "repeats": repeats}
-            for key, t in times.items()}
+    """Round-robin medians: `eagle_compile.calibrate.costs.interleaved_times` (the calibration layer's own)."""
+    from eagle_compile.calibrate.costs import interleaved_times as package_times
+
+    return package_times(calls, repeats=repeats, warmup=warmup)
 
 
 # -- target and draft head ---------------------------------------------------------------------------------------
@@ -189,3 +182,23 @@ def read_options(spec: str | None, head_info: dict[str, Any], default: dict[str,
     if tree is not None:
         return tree, why
     return dict(default), f"default {json.dumps(default)} ({why})"
+
+
+def left_pad(prompts: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded [B, L] ids and their attention mask from [1, L_i] prompts."""
+    width = max(p.shape[1] for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - p.shape[1]:], mask[i, width - p.shape[1]:] = p[0], 1
+    return ids, mask
+
+
+def long_report(tokenizer, data: Path, length: int) -> torch.Tensor:
+    """One LEval government report cut to `length` tokens [1, length] (the long-context prompts)."""
+    with (data / "long_context" / "leval" / "gov_report_summ.jsonl").open() as f:
+        for line in f:
+            ids = tokenizer(json.loads(line)["input"], return_tensors="pt")["input_ids"]
+            if ids.shape[1] >= length:
+                return ids[:, :length]
+    raise SystemExit(f"no government report has {length} tokens")

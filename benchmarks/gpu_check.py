@@ -735,8 +735,8 @@ def spec_bytes(model, head, options: dict, batch: int, context: float) -> float:
 
 def plain_step(model, batch: int, context: int, device, dtype):
     """One plain decode step over a `context`-token static cache: (eager forward, dynamo-captured forward)."""
+    from eagle_compile.core.masks import SlotMask
     from eagle_compile.runtime.kv_cache import SlotKVCache
-    from eagle_compile.runtime.masks import SlotMask
 
     slots = 64 * math.ceil((context + 2) / 64)
     cache = SlotKVCache(model.config, batch, slots, dtype=dtype, device=device)
@@ -772,11 +772,11 @@ def graph_of(fn: Callable[[], Any]) -> Callable[[], None]:
 def spec_step(run: Run, model, options: dict, batch: int, plan: dict):
     """(call, state) of one speculative cycle of the decoder that `generate` built for `options`: the bucket's
     CUDA graph on CUDA (its buffers hold the prefilled 512-token context), the lowered step elsewhere."""
+    from eagle_compile.core.verify import draw_uniforms
     from eagle_compile.options import parse_options
     from eagle_compile.runtime.cuda_graphs import GraphedStep
     from eagle_compile.runtime.generate import _decoders
     from eagle_compile.runtime.step import StepState
-    from eagle_compile.runtime.verify import draw_uniforms
 
     wanted = parse_options(options)
     (decoder,) = [d for d in _decoders[model].values() if d.options == wanted]

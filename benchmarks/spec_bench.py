@@ -161,7 +161,7 @@ class Methods:
 
     def cache_slots(self, prompt_len: int) -> int:
         """Static eagle31 cache slots for this prompt (what the decoder allocates), rounded up."""
-        from eagle_compile.draft.tree import TreeShape
+        from eagle_compile.core.tree import TreeShape
         from eagle_compile.runtime.decoder import cache_slots_needed
 
         o = self.parsed

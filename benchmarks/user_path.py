@@ -36,6 +36,8 @@ from common import (
     chat_ids,
     environment,
     interleaved_times,
+    left_pad,
+    long_report,
     markdown_table,
     print_load,
     set_threads,
@@ -81,24 +83,6 @@ def mt_bench(tokenizer, data: Path, count: int) -> list[torch.Tensor]:
     rows = [json.loads(line) for line in (data / "spec_bench" / "question.jsonl").read_text().splitlines()]
     turns = [r["turns"][0] for r in rows if 81 <= r["question_id"] <= 160][:count]
     return [chat_ids(tokenizer, t) for t in turns]
-
-
-def report(tokenizer, data: Path, length: int) -> torch.Tensor:
-    with (data / "long_context" / "leval" / "gov_report_summ.jsonl").open() as f:
-        for line in f:
-            ids = tokenizer(json.loads(line)["input"], return_tensors="pt")["input_ids"]
-            if ids.shape[1] >= length:
-                return ids[:, :length]
-    raise SystemExit(f"no government report has {length} tokens")
-
-
-def left_pad(prompts: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(p.shape[1] for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - p.shape[1]:], mask[i, width - p.shape[1]:] = p[0], 1
-    return ids, mask
 
 
 def compare(model, compiled, cases: list[tuple[torch.Tensor, torch.Tensor | None]], new: int, rounds: int) -> dict:
@@ -166,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             run("chat", config, cases, args.new_tokens, f"{len(cases)} MT-bench prompts")
     if "long" in args.sections:
         for length in args.long_lengths:
-            run("long", "readme", [(report(tokenizer, args.data, length), None)], args.long_new_tokens,
+            run("long", "readme", [(long_report(tokenizer, args.data, length), None)], args.long_new_tokens,
                 f"{length}-token report")
     if "batch" in args.sections:
         for batch in args.batches:

@@ -76,6 +76,8 @@ from common import (
     write_json,
 )
 
+from eagle_compile.calibrate.costs import expected_tokens, interpolate, monotone, verify_call
+
 TOKENS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 CALIB_DEPTH = 8
 TOP = 16
@@ -122,8 +124,8 @@ def cache_slots(prefix: int, largest: int) -> int:
 
 def prefill(program, cache, prefix: int, generator: torch.Generator) -> None:
     """Write `prefix` random tokens into the cache through the program, in chunks as the decoder's prefill does."""
+    from eagle_compile.core.masks import SlotMask
     from eagle_compile.options import EagleOptions
-    from eagle_compile.runtime.masks import SlotMask
     from eagle_compile.runtime.prefill_plan import prefill_plan
 
     vocab = program.model.config.vocab_size
@@ -133,17 +135,6 @@ def prefill(program, cache, prefix: int, generator: torch.Generator) -> None:
         ids = torch.randint(0, vocab, (1, size), generator=generator)
         mask = SlotMask.causal(torch.tensor([start]), cache.slots)
         program(ids, torch.where(real, pos, 0), mask, torch.where(real, pos, cache.sentinel), cache)
-
-
-def verify_call(program, cache, prefix: int, n: int, generator: torch.Generator):
-    """A zero-argument call of the program verifying a chain of `n` tokens after `prefix` (the root included)."""
-    from eagle_compile.runtime.masks import SlotMask
-
-    ids = torch.randint(0, program.model.config.vocab_size, (1, n), generator=generator)
-    pos = prefix + torch.arange(n)[None]                                   # [1, n]: slot == position
-    ancestors = torch.tril(torch.ones(n, n, dtype=torch.bool))[None]       # [1, n, n]: a chain
-    mask = SlotMask.tree(ancestors, torch.tensor([prefix]), cache.slots)
-    return lambda: program(ids, pos, mask, pos, cache)
 
 
 def cost_curve(model, prefix: int, tokens: list[int], repeats: int, warmup: int, lowering=None) -> dict[int, dict]:
@@ -190,9 +181,9 @@ def hf_step(model, prefix: int, repeats: int, warmup: int) -> dict[str, float]:
 def draft_costs(head, prefix: int, repeats: int, warmup: int) -> dict[str, Any]:
     """Seconds of the draft's catch-up forward, and of its forward and top-k over w frontier nodes, with the
     numerics the default options give the head (numerics "auto")."""
+    from eagle_compile.core.masks import SlotMask
     from eagle_compile.draft.drafter import EagleDrafter
     from eagle_compile.lowering import resolve_numerics
-    from eagle_compile.runtime.masks import SlotMask
 
     cfg, dtype = head.config, head.lm_head.weight.dtype
     drafter = EagleDrafter(head, numerics=resolve_numerics("auto", head.lm_head.weight.device, dtype)[0])
@@ -214,7 +205,7 @@ def draft_costs(head, prefix: int, repeats: int, warmup: int) -> dict[str, Any]:
 
 def _frontier_calls(drafter, state, cfg, base: int, width: int, slots: int, dtype):
     """Zero-argument calls of one draft tree level over `width` frontier nodes: the forward, the top-k."""
-    from eagle_compile.runtime.masks import SlotMask
+    from eagle_compile.core.masks import SlotMask
 
     hidden = torch.randn(1, width, cfg.hidden_size, dtype=dtype)                 # [1, w, H]
     ids = torch.randint(0, cfg.vocab_size, (1, width))
@@ -338,36 +329,6 @@ def coverage(ranks: list[tuple[int, int]]) -> dict[int, list[float]]:
 
 
 # -- 4. shape choice ---------------------------------------------------------------------------------------------
-def interpolate(curve: dict[int, float], n: int) -> float:
-    """c(n)/c(1) by linear interpolation between measured N."""
-    xs = sorted(curve)
-    if n in curve:
-        return curve[n]
-    if not xs[0] < n < xs[-1]:
-        raise ValueError(f"N={n} is outside the measured range {xs[0]}..{xs[-1]}; measure it with --tokens")
-    hi = next(x for x in xs if x > n)
-    lo = max(x for x in xs if x < n)
-    return curve[lo] + (curve[hi] - curve[lo]) * (n - lo) / (hi - lo)
-
-
-def monotone(curve: dict[int, float]) -> dict[int, float]:
-    """Running maximum over N: verifying more tokens cannot cost less, so a measured dip is noise."""
-    out, high = {}, 0.0
-    for n in sorted(curve):
-        high = max(high, curve[n])
-        out[n] = high
-    return out
-
-
-def expected_tokens(q: list[list[float]]) -> float:
-    """1 + sum_j prod_{i<=j} q[i]: q[i] is the acceptance probability at depth i+1 given the ones above."""
-    total, reach = 1.0, 1.0
-    for p in q:
-        reach *= p
-        total += reach
-    return total
-
-
 def _coverage_at(acceptance: dict, k: int, depth: int, miss_decay: float) -> float:
     alpha = acceptance["alpha"][depth - 1]
     measured = acceptance.get("coverage")

@@ -63,6 +63,10 @@ def _run_demo(args, *, compare: bool) -> int:
     print(f"speculative: {len(new)} tokens in {spec_time:.2f} s = {len(new) / spec_time:.1f} tok/s, "
           f"tau {stats.tau:.2f} tokens/cycle over {stats.cycles} cycles, histogram {stats.histogram}, "
           f"tree {stats.tree}; {stats.lowering}")
+    if stats.calibration is not None:
+        policy = stats.calibration["policy"]
+        print(f"calibration: cycles per program {policy['chosen']}, plain cycles {policy['plain_cycles']}, "
+              f"probes {policy['probes']}; costs {list(stats.calibration['costs'].values())}")
     if compare:
         t0 = time.perf_counter()
         ref = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)

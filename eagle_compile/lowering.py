@@ -226,3 +226,16 @@ def resolve_numerics(numerics: str, device: torch.device | str, dtype: torch.dty
     if not ok:
         return "eager", f"numerics='auto': eager, the batch-invariant kernels are unavailable ({why})"
     return "batch_invariant", f"numerics='auto' on cpu float32: batch-invariant kernels ({why})"
+
+
+#: dynamo's process-wide cap on the graphs of one code object. Every TargetProgram (StepProgram) compiles the same
+#: method, so the cap counts the graphs of all decoders in a process together (each has its own cache through
+#: `isolate_recompiles`, and its own per-instance `recompile_limit`); with the calibration menu a decoder holds
+#: several program sizes per bucket, and a process with many decoders (a test session) reaches the default 256.
+ACCUMULATED_RECOMPILE_LIMIT = 1 << 14
+
+
+def allow_many_programs() -> None:
+    """Raise dynamo's accumulated recompile cap to `ACCUMULATED_RECOMPILE_LIMIT` (never lowers it)."""
+    config = torch._dynamo.config
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, ACCUMULATED_RECOMPILE_LIMIT)

@@ -21,6 +21,7 @@ EAGLE_TREE = {"depth": 7, "top_k": 10, "total_tokens": 60}
 TREE_KEYS = ("depth", "top_k", "total_tokens", "chain")
 _INNER = ("auto", "eager", "inductor")
 _KERNELS = ("auto", "on", "off")
+_CALIBRATE = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,18 @@ class EagleOptions:
     carries, so speculative output equals the plain mode's bit for bit, and HF eager's up to rounding at
     near-ties), "eager" (the traced ops' kernels: HF eager's rounding), or "auto" (batch_invariant where it
     runs, else eager; `eagle_compile.lowering.resolve_numerics`).
+
+    `calibrate` (DESIGN.md §4, `eagle_compile/calibrate/`): "on" chooses every cycle among a menu of programs
+    (a plain step, chains of 1, 2 and 4 draft tokens, and the tree above) the one with the most expected tokens
+    per unit of measured time, masks rows and nodes not worth drafting, and falls back to plain decoding (with
+    probes and backoff) when no tree pays; "off" runs the one fixed tree every cycle; "auto" (default) is "on"
+    unless a tree key was given (a tree you chose stays fixed) or `cudagraphs=True`. Costs are measured on the
+    device the first time a (device, dtype, target, lowering, batch bucket, context bucket) needs them and
+    kept in `calibration_cache` (a directory; default $EAGLE31_CACHE_DIR/costs or
+    ~/.cache/eagle_compile/costs; "memory": this process only). `drift_monitors=True` measures, per draft
+    depth, the RMS of the fed-back hidden state relative to depth 1, the attention mass on the first positions
+    and on draft-generated positions, and the draft's top-1 probability (`draft/drift.py`), into the
+    statistics' `drift`; off by default (docs/BENCHMARKS.md has what it costs).
     """
 
     draft: Any = None
@@ -77,6 +90,9 @@ class EagleOptions:
     numerics: str = "auto"
     max_cache_len: int | None = None
     cache_len_multiple: int = 256
+    calibrate: str = "auto"
+    calibration_cache: str | None = None
+    drift_monitors: bool = False
 
     def __post_init__(self) -> None:
         for key in TREE_KEYS:
@@ -95,6 +111,13 @@ class EagleOptions:
         object.__setattr__(self, "batch_buckets", tuple(buckets))
         if self.kernels not in _KERNELS:
             raise OptionsError(f"kernels={self.kernels!r}; valid values: {list(_KERNELS)}")
+        if self.calibrate not in _CALIBRATE:
+            raise OptionsError(f"calibrate={self.calibrate!r}; valid values: {list(_CALIBRATE)}")
+        if self.calibrate == "on" and self.cudagraphs:
+            raise OptionsError("calibrate='on' with cudagraphs=True: the menu's programs are not CUDA-graphed yet; "
+                               "use calibrate='off' (a fixed tree, graphed) or cudagraphs=False")
+        if self.calibration_cache is not None and not isinstance(self.calibration_cache, str):
+            raise OptionsError(f"calibration_cache={self.calibration_cache!r}: a directory path, or 'memory'")
         if self.numerics not in NUMERICS:
             raise OptionsError(f"numerics={self.numerics!r}; valid values: {list(NUMERICS)}")
         if self.inner_backend not in _INNER:
@@ -102,7 +125,9 @@ class EagleOptions:
         _check_positive_int("cache_len_multiple", self.cache_len_multiple)
         if self.inductor_config is not None:
             resolve_inductor_config(self.inductor_config)
-        for flag in ("step_program", "cudagraphs", "speculate"):
+        if self.drift_monitors is True and self.step_program is True:
+            raise OptionsError("drift_monitors=True runs in the host-loop step only; use step_program=False")
+        for flag in ("step_program", "cudagraphs", "speculate", "drift_monitors"):
             if not isinstance(getattr(self, flag), bool):
                 raise OptionsError(f"{flag}={getattr(self, flag)!r}: expected True or False")
         if self.max_cache_len is not None:

@@ -2,7 +2,8 @@
 
 Passes run and the sites each rewrote (per captured graph), how each graph runs (FX graph or inductor, with its
 compile seconds) and why, the kernel implementation each eagle31 op uses on the model's device and why, the
-CUDA-graph buckets captured and replayed, and the tree shape with where it came from.
+CUDA-graph buckets captured and replayed, the tree shape with where it came from, and the calibration layer:
+adaptive (its menu, the costs in use with where they came from, the last call's choices) or fixed, and why.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def explain(compiled, *, file=None) -> str:
         lines.append(f"[decoder {i}] {what}; capture indices {list(dec.capture_indices)}; "
                      f"step_program={dec.options.step_program}")
         lines.append(f"  lowering: {dec.lowering.describe()}")
+        lines += _calibration_lines(dec)
         for ctx in dec.program.contexts:
             lines.append(f"  target program graph: {_counts(ctx.counts)}")
         for kind, how, seconds in dec.lowering.compiled:
@@ -55,6 +57,25 @@ def explain(compiled, *, file=None) -> str:
     text = "\n".join(lines)
     print(text, file=file)
     return text
+
+
+def _calibration_lines(dec) -> list[str]:
+    if not dec.speculate:
+        return []
+    cal = dec.calibration
+    if cal is None:
+        return [f"  calibration: off, {dec.calibration_reason}"]
+    lines = [f"  calibration: {dec.calibration_reason}"]
+    for key, table in cal.tables.items():
+        lines.append(f"  costs in use (batch bucket {key.batch_bucket}, context bucket {key.context_bucket}): "
+                     f"{table.describe()}")
+    if not cal.tables:
+        lines.append("  costs: none measured yet (the first generate call measures them)")
+    for note in cal.cache.refused:
+        lines.append(f"  cost cache entry not used: {note}")
+    summary = cal.policy.stats.as_dict()
+    lines.append(f"  last call's choices: {summary}")
+    return lines
 
 
 def _describe_draft(draft) -> str:

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
+from eagle_compile.core.masks import SlotMask
 from eagle_compile.lowering import Lowering
 from eagle_compile.runtime.kv_cache import SlotKVCache
-from eagle_compile.runtime.masks import SlotMask
 from eagle_compile.runtime.target_program import TargetProgram
 
 SLOTS = 64

@@ -48,7 +48,7 @@ def test_unknown_option_names_valid_keys():
 ])
 def test_bad_option_values_are_refused(bad, words):
     if words is None:   # a tree shape that cannot be built is refused when the tree shape is made
-        from eagle_compile.draft.tree import TreeShape
+        from eagle_compile.core.tree import TreeShape
         opts = parse_options(bad)
         with pytest.raises(OptionsError, match="exceeds the largest tree"):
             TreeShape(opts.tree_depth, opts.tree_top_k, opts.tree_tokens)
@@ -91,7 +91,9 @@ def test_compiled_generate_is_speculative_and_uses_compile_options():
     compiled = torch.compile(model, backend="eagle31", options={"chain": 3, "draft": drafter})
     out = compiled.generate(ids, max_new_tokens=12, return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref)
-    assert out.stats.tree == {"depth": 3, "top_k": 1, "total_tokens": 4, "source": "options"}
+    assert {k: v for k, v in out.stats.tree.items() if k != "fixed"} == {"depth": 3, "top_k": 1, "total_tokens": 4,
+                                                                          "source": "options"}
+    assert "a tree key was given" in out.stats.tree["fixed"]      # a given tree stays fixed (no calibration)
     assert max(out.stats.histogram) == 4          # oracle: depth + 1 tokens per cycle
     other = torch.compile(model, backend="inductor")
     assert other.generate.__func__ is type(model).generate   # other backends keep HF's generate

@@ -126,3 +126,43 @@ def ragged(lengths: list[int], seed: int, vocab: int = 96):
 def ragged_batch(rows: int, seed: int):
     """1 row of 7 tokens, or 3 left-padded rows of 3, 12 and 7 tokens."""
     return ragged([7] if rows == 1 else [3, 12, 7], seed)
+
+
+def force_costs(monkeypatch, relative: dict[str, float] | None = None, **settings) -> None:
+    """Make the calibration layer use these relative cycle costs (default: every program as cheap as a plain
+    step, so speculation always looks worth it) instead of measuring, and these `CalibrationSettings`."""
+    import eagle_compile.runtime.calibration as calibration
+
+    def ensure_costs(self, longest, state, cache, draft_kv, sampling):
+        self._costs = {e.name: 1.0 for e in self.menu} if relative is None else dict(relative)
+
+    monkeypatch.setattr(calibration.Calibration, "ensure_costs", ensure_costs)
+    if settings:
+        base = calibration.CalibrationSettings
+        monkeypatch.setattr(calibration, "CalibrationSettings", lambda: base(**settings))
+
+
+def continuations(ids: torch.Tensor, mask: torch.Tensor, ref: torch.Tensor) -> list[list[int]]:
+    """Each row's unpadded prompt followed by its reference continuation (what a ScriptedDrafter reads)."""
+    width = ids.shape[1]
+    return [[t for t, m in zip(ids[i].tolist(), mask[i].tolist(), strict=True) if m] + ref[i, width:].tolist()
+            for i in range(ids.shape[0])]
+
+
+def rotate_programs(monkeypatch, order: list[int] | None = None) -> None:
+    """Make the calibration policy run its menu's programs in turn (entry indices `order`, default all, the
+    plain step first), every row drafting: each program size and the re-sync after plain steps get exercised."""
+    import eagle_compile.calibrate.policy as policy
+    import eagle_compile.runtime.calibration as calibration
+
+    count = [0]
+
+    def decide(self, costs, est, active):
+        picks = order if order is not None else list(range(len(self.menu)))
+        entry = self.menu[picks[count[0] % len(picks)]]
+        count[0] += 1
+        self.stats.chosen[entry.name] += 1
+        return policy.Decision(entry=entry, drafting=active.clone(), probe=False, rates={})
+
+    monkeypatch.setattr(policy.CalibrationPolicy, "decide", decide)
+    monkeypatch.setattr(calibration.Calibration, "ensure_costs", lambda self, *args: None)

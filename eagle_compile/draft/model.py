@@ -14,7 +14,7 @@ step's ``feedback`` otherwise. Module names make ``state_dict()`` keys equal the
 and never part of the state dict.
 
 The KV cache is static (docs/INTERNALS.md): ``keys/values [B, n_kv_heads, slots, head_dim]``, new keys are
-written into explicit ``write_slots`` (``eagle31::kv_write``). Queries see what a ``SlotMask`` (runtime/masks.py:
+written into explicit ``write_slots`` (``eagle31::kv_write``). Queries see what a ``SlotMask`` (core/masks.py:
 committed prefix + the block's own slots) describes, through ``eagle31::tree_attention``, which reads only the
 live slots; a dense additive ``[B, 1, T, slots]`` mask (arbitrary visibility, tests) runs SDPA over all slots.
 
@@ -25,6 +25,7 @@ cache, explicit per-head softmax); tests compare the module against them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,7 @@ class DraftKV:
 
     keys: torch.Tensor  # [batch, n_kv_heads, slots, head_dim]
     values: torch.Tensor  # [batch, n_kv_heads, slots, head_dim]
+    probe: Any = None   # a draft.drift.DriftProbe while a monitored tree level runs (host-loop step only)
 
 
 @dataclass
@@ -106,6 +108,8 @@ class DraftAttention(nn.Module):
         q, k, v = self.project_qkv(x, cos, sin)
         torch.ops.eagle31.kv_write(kv.keys, kv.values, write_slots, k, v)
         if not isinstance(attn_mask, torch.Tensor):
+            if kv.probe is not None:
+                kv.probe.attention(q, kv.keys, attn_mask, self.head_dim ** -0.5)
             out = torch.ops.eagle31.tree_attention(q.to(kv.keys.dtype), kv.keys, kv.values, attn_mask.base,
                                                    attn_mask.local, self.head_dim ** -0.5)
             return self.project_out(out.to(q.dtype))
@@ -293,7 +297,7 @@ class EagleDraftModel(nn.Module):
         position_ids: torch.Tensor,  # [batch, tokens]
         kv: DraftKV,
         write_slots: torch.Tensor,  # [batch, tokens] int64
-        attn_mask,  # SlotMask (runtime/masks.py), or [batch, 1, tokens, slots] additive float: 0 attend, -inf blocked
+        attn_mask,  # SlotMask (core/masks.py), or [batch, 1, tokens, slots] additive float: 0 attend, -inf blocked
     ) -> DraftStepOutput:
         """One draft step; writes this step's keys/values into ``kv`` at ``write_slots`` (in place)."""
         if write_slots.dtype != torch.int64:

@@ -17,57 +17,17 @@ n-1 + (level-1)*K + i (discarded after the cycle: the next catch-up overwrites o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from eagle_compile.core.masks import SlotMask
+from eagle_compile.core.tree import DraftTree, TreeShape, ancestor_matrix
 from eagle_compile.draft.drafter import Drafter
-from eagle_compile.errors import OptionsError
-from eagle_compile.runtime.masks import SlotMask
-
-
-@dataclass(frozen=True)
-class TreeShape:
-    depth: int          # D: draft levels (max draft tokens on a path)
-    top_k: int          # K
-    total_tokens: int   # M: nodes including the root
-
-    def __post_init__(self) -> None:
-        if self.total_tokens - 1 > self.pool_size:
-            raise OptionsError(
-                f"total_tokens={self.total_tokens} exceeds the largest tree depth={self.depth}, top_k={self.top_k} "
-                f"can build (1 + K + (D-1)*K^2 = {self.pool_size + 1}); lower total_tokens or raise depth/top_k"
-            )
-
-    @property
-    def pool_size(self) -> int:
-        return self.top_k + (self.depth - 1) * self.top_k * self.top_k
-
-    @property
-    def tree_slots(self) -> int:
-        """Draft-cache slots the expanded levels occupy beyond the committed prefix."""
-        return (self.depth - 1) * self.top_k
-
-    @classmethod
-    def chain(cls, k: int) -> TreeShape:
-        return cls(depth=k, top_k=1, total_tokens=k + 1)
-
-
-@dataclass
-class DraftTree:
-    """Layout: docs/INTERNALS.md. `ancestors[b, i, j]` is True when node j is node i or one of its ancestors."""
-
-    tokens: torch.Tensor      # [B, M] target-vocabulary ids, node 0 = root
-    parents: torch.Tensor     # [B, M] parent node index, -1 for the root
-    depth: torch.Tensor       # [B, M]
-    valid: torch.Tensor       # [B, M] bool
-    ancestors: torch.Tensor   # [B, M, M] bool
-    max_depth: int
+from eagle_compile.draft.drift import DriftProbe, rms
 
 
 def build_tree(drafter: Drafter, state, seed_feedback: torch.Tensor, seed_head: torch.Tensor, root: torch.Tensor,
                seq_len: torch.Tensor, shape: TreeShape, draft_slots: int,
-               active: torch.Tensor | None = None) -> DraftTree:
+               active: torch.Tensor | None = None, probe: DriftProbe | None = None) -> DraftTree:
     """Grow one draft tree per row.
 
     Args:
@@ -76,11 +36,15 @@ def build_tree(drafter: Drafter, state, seed_feedback: torch.Tensor, seed_head: 
         root: [B] last emitted token. seq_len: [B] committed sequence length n (root included).
         draft_slots: S of the draft cache.
         active: [B] bool; inactive (frozen or padding) rows write only the sentinel slot S-1.
+        probe: collects the drift monitors (`draft/drift.py`) when given.
     """
     K, D = shape.top_k, shape.depth
     B = root.shape[0]
     device = root.device
     score, tokens = drafter.top_k(seed_head, K)                              # [B, K]
+    if probe is not None:
+        probe.top1.append(score[:, 0].exp())
+        reference = rms(seed_feedback).clamp(min=1e-30)
     pool_scores, pool_tokens = [score], [tokens]
     pool_parent = [torch.full((B, K), -1, dtype=torch.long, device=device)]
     f_tok, f_score = pool_tokens[0], score
@@ -97,8 +61,16 @@ def build_tree(drafter: Drafter, state, seed_feedback: torch.Tensor, seed_head: 
             slots = torch.where(active[:, None], slots, draft_slots - 1)
         positions = (seq_len - 2 + level)[:, None].expand(B, K)
         mask = SlotMask.tree(anc, base, draft_slots)
+        if probe is not None:
+            probe.rms.append(rms(f_hidden).mean(1) / reference)
+            if hasattr(state, "probe"):                                      # a drafter with draft KV
+                state.probe = probe
         feedback, head = drafter.forward(state, f_hidden, f_tok, positions, slots, mask, fuse=False)
         child_score, child_tok = drafter.top_k(head, K)                      # [B, K, K]
+        if probe is not None:
+            if hasattr(state, "probe"):
+                state.probe = None
+            probe.top1.append(child_score[:, 0, 0].exp())                    # the best node's best child
         cand_score = (f_score[:, :, None] + child_score).reshape(B, K * K)
         cand_tok = child_tok.reshape(B, K * K)
         pool_scores.append(cand_score)
@@ -130,21 +102,10 @@ def _select(scores, tokens, parents_pool, root, shape: TreeShape) -> DraftTree:
     parents = torch.cat([torch.full((B, 1), -1, dtype=torch.long, device=device), parent_node], 1)
     depth = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=device), pool_depth[chosen]], 1)
     tokens = torch.cat([root[:, None], tokens.gather(1, chosen)], 1)
+    node_scores = torch.cat([torch.zeros(B, 1, dtype=scores.dtype, device=device), scores.gather(1, chosen)], 1)
     return DraftTree(tokens=tokens, parents=parents, depth=depth,
                      valid=torch.ones(B, M, dtype=torch.bool, device=device),
-                     ancestors=ancestor_matrix(parents, D), max_depth=D)
-
-
-def ancestor_matrix(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """[B, M] parents -> [B, M, M] bool: node j is i or an ancestor of i."""
-    B, M = parents.shape
-    eye = torch.eye(M, dtype=torch.bool, device=parents.device).expand(B, M, M)
-    anc = eye.clone()
-    cur = torch.arange(M, device=parents.device).expand(B, M)
-    for _ in range(max_depth):
-        cur = torch.where(cur >= 0, parents.gather(1, cur.clamp(min=0)), cur)
-        anc |= (cur[:, :, None] == torch.arange(M, device=parents.device)) & (cur[:, :, None] >= 0)
-    return anc
+                     ancestors=ancestor_matrix(parents, D), max_depth=D, scores=node_scores)
 
 
 def _stable_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """`eagle31::accept_greedy` and `eagle31::accept_sample`: verification of a draft tree on the device.
 
-The torch definitions are `verify_greedy` / `verify_sample` in `eagle_compile/runtime/verify.py` (they are the
+The torch definitions are `verify_greedy` / `verify_sample` in `eagle_compile/core/verify.py` (they are the
 references here, called as they are); the vocabulary (root, accepted tokens, bonus token, acceptance
 length) and the `Acceptance` layout are those of docs/INTERNALS.md. Unfused, one verification is a few dozen
 small torch kernels over `[B, M]`, `[B, M, M]` and `[B, V]` tensors; here it is one program per batch row
@@ -184,7 +184,7 @@ def _outputs(tokens: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.
 def accept_greedy_reference(tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor,
                             valid: torch.Tensor, target_logits: torch.Tensor, max_depth: int
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`runtime.verify.verify_greedy` on the tree given as tensors.
+    """`core.verify.verify_greedy` on the tree given as tensors.
 
     Args:
         tokens, parents, depth: [B, M] int64 draft tree (INTERNALS.md "Draft tree"); valid: [B, M] bool.
@@ -195,7 +195,7 @@ def accept_greedy_reference(tokens: torch.Tensor, parents: torch.Tensor, depth: 
         accept_len [B], path [B, D + 1], tokens [B, D + 1] (int64; INTERNALS.md "Verification").
     """
     # imported here: the runtime imports the kernels, not the other way round at import time
-    from eagle_compile.runtime.verify import verify_greedy
+    from eagle_compile.core.verify import verify_greedy
 
     _check_tree(tokens, parents, depth, valid, max_depth)
     tree = SimpleNamespace(tokens=tokens, parents=parents, depth=depth, valid=valid, max_depth=max_depth)
@@ -207,7 +207,7 @@ def accept_sample_reference(tokens: torch.Tensor, parents: torch.Tensor, depth: 
                             valid: torch.Tensor, probs: torch.Tensor, uniforms: torch.Tensor,
                             final_uniform: torch.Tensor, max_depth: int
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`runtime.verify.verify_sample` on the tree given as tensors.
+    """`core.verify.verify_sample` on the tree given as tensors.
 
     Args:
         tokens, parents, depth, valid, max_depth: the draft tree, as in `accept_greedy_reference`.
@@ -218,7 +218,7 @@ def accept_sample_reference(tokens: torch.Tensor, parents: torch.Tensor, depth: 
     Returns:
         accept_len [B], path [B, D + 1], tokens [B, D + 1] (int64).
     """
-    from eagle_compile.runtime.verify import verify_sample
+    from eagle_compile.core.verify import verify_sample
 
     _check_tree(tokens, parents, depth, valid, max_depth)
     _check_sample(tokens, probs, uniforms, final_uniform, max_depth)

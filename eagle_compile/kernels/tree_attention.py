@@ -36,6 +36,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from eagle_compile.core.masks import block_width, visible_slots
 from eagle_compile.kernels import _dispatch
 
 tl = None  # triton.language, bound by _dispatch.kernel on first launch
@@ -131,29 +132,6 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, base: 
     if local is not None and (local.dim() != 3 or local.shape[:2] != (b, t) or local.dtype != torch.bool):
         raise ValueError(f"tree_attention: local must be [B, T, W] = [{b}, {t}, W] bool (None: a causal block), "
                          f"got {tuple(local.shape)} {local.dtype}")
-
-
-def block_width(tokens: int, local: torch.Tensor | None) -> int:
-    """W: how many slots from `base` the block spans (T for a causal block)."""
-    return tokens if local is None else local.shape[-1]
-
-
-def visible_slots(base: torch.Tensor, local: torch.Tensor | None, tokens: int, slots: int) -> torch.Tensor:
-    """[B, T, S] bool: which cache slot each query sees (the definition of the module docstring).
-
-    Args:
-        base: [B] int64 first block slot per row. local: [B, T, W] bool or None (causal block of `tokens`).
-    """
-    s = torch.arange(slots, device=base.device)
-    j = s[None, :] - base[:, None]                                          # [B, S]: offset into the block
-    width = block_width(tokens, local)
-    in_block = (j >= 0) & (j < width)
-    if local is None:
-        block = j[:, None, :] <= torch.arange(tokens, device=base.device)[None, :, None]       # [B, T, S]
-    else:
-        index = j.clamp(0, width - 1)[:, None, :].expand(-1, tokens, -1)
-        block = local.gather(2, index)
-    return (j < 0)[:, None, :] | (in_block[:, None, :] & block)
 
 
 def tree_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, base: torch.Tensor,

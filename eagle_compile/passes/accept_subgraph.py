@@ -2,9 +2,9 @@
 
 Matches the step's own reference code at the step's shapes and replaces
 
-* greedy path matching + bonus token (`runtime/verify.verify_greedy`)  ->  `eagle31::accept_greedy`,
-* lossless tree sampling + bonus token (`runtime/verify.verify_sample`) ->  `eagle31::accept_sample`,
-* one layer's accepted-path KV move (`runtime/kv_cache.compact_layer`) ->  `eagle31::kv_compact` (in place).
+* greedy path matching + bonus token (`core/verify.verify_greedy`)  ->  `eagle31::accept_greedy`,
+* lossless tree sampling + bonus token (`core/verify.verify_sample`) ->  `eagle31::accept_sample`,
+* one layer's accepted-path KV move (`core/compaction.compact_layer`) ->  `eagle31::kv_compact` (in place).
 
 All three stay on the device: the cycle has no host synchronisation (the capture itself is `fullgraph=True`).
 """
@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from eagle_compile.draft.tree import DraftTree
+from eagle_compile.core.compaction import compact_layer
+from eagle_compile.core.tree import DraftTree
+from eagle_compile.core.verify import verify_greedy, verify_sample
 from eagle_compile.passes.context import PassContext
 from eagle_compile.passes.patterns import call_op_outputs, find_input, replace_pattern, trace_pattern
-from eagle_compile.runtime.kv_cache import compact_layer
-from eagle_compile.runtime.verify import verify_greedy, verify_sample
 
 _TREE = ("tokens", "parents", "depth", "valid")
 

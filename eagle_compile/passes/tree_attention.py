@@ -1,7 +1,7 @@
 """tree_attention: replace each SDPA whose mask is an `eagle31::slot_mask` with `eagle31::tree_attention`.
 
 A captured program hands the HF model a dense additive mask `[B, 1, T, S]` built by `eagle31::slot_mask(base,
-local, T, S)` (runtime/masks.py), so the graph computes the right thing as traced: SDPA over all S slots of the
+local, T, S)` (core/masks.py), so the graph computes the right thing as traced: SDPA over all S slots of the
 static cache, with K/V repeated to the query-head count (HF's `repeat_kv`). Both are work the mask's
 description makes unnecessary. For every SDPA whose `attn_mask` is that mask (through HF's slice to the key
 length and dtype casts), the pass calls `eagle31::tree_attention(q, k, v, base, local, scale)` instead, on the

@@ -29,14 +29,19 @@ import warnings
 
 import torch
 
+from eagle_compile.calibrate.costs import CostCache
+from eagle_compile.calibrate.menu import MenuEntry
 from eagle_compile.capture_indices import default_capture_indices
+from eagle_compile.core.masks import SlotMask
+from eagle_compile.core.tree import TreeShape
+from eagle_compile.core.verify import draw_uniforms
 from eagle_compile.draft.drafter import Drafter
-from eagle_compile.draft.tree import TreeShape
+from eagle_compile.draft.drift import DriftTotals
 from eagle_compile.lowering import lowering_for
 from eagle_compile.options import EagleOptions
+from eagle_compile.runtime.calibration import Calibration
 from eagle_compile.runtime.cuda_graphs import BucketBuffers, CudaGraphRuntime, GraphedStep
 from eagle_compile.runtime.kv_cache import SlotKVCache
-from eagle_compile.runtime.masks import SlotMask
 from eagle_compile.runtime.plain_step import PlainStep
 from eagle_compile.runtime.prefill_plan import prefill_plan
 from eagle_compile.runtime.sampling import SamplingParams, target_probs
@@ -45,7 +50,6 @@ from eagle_compile.runtime.step import SpeculativeStep, StepState, catch_up, fil
 from eagle_compile.runtime.step_program import StepProgram
 from eagle_compile.runtime.stopping import StopChecker
 from eagle_compile.runtime.target_program import TargetProgram
-from eagle_compile.runtime.verify import draw_uniforms
 
 
 class SpeculativeDecoder:
@@ -53,7 +57,8 @@ class SpeculativeDecoder:
 
     def __init__(self, model: torch.nn.Module, drafter: Drafter | None, options: EagleOptions,
                  capture_indices: tuple[int, ...] | None, shape: TreeShape | None = None,
-                 tree_source: str = "options") -> None:
+                 tree_source: str = "options", menu: tuple[MenuEntry, ...] | None = None,
+                 cost_cache: CostCache | None = None, calibration_reason: str = "") -> None:
         self.model = model
         self.drafter = drafter
         self.options = options
@@ -70,30 +75,51 @@ class SpeculativeDecoder:
         if drafter is not None and hasattr(drafter, "numerics"):
             drafter.numerics = self.lowering.numerics     # the head rounds like the target's programs
         self.program = TargetProgram(model, self.capture_indices, lowering=self.lowering,
-                                     recompile_limit=8 * len(options.batch_buckets) + 8)
+                                     recompile_limit=(8 + len(menu or ())) * len(options.batch_buckets) + 8)
         self._steps: dict = {}
         self.timings: dict[str, float] = {}      # draft / verify / accept seconds of the eager step, cumulative
         self._bucket_buffers: dict[tuple[int, int], BucketBuffers] = {}
         self._warned: set[str] = set()
         self.graph_runtime = CudaGraphRuntime()   # the CUDA graph API; tests put a host stand-in here
+        self.calibration_reason = calibration_reason
+        self.calibration = (Calibration(self, menu, cost_cache if cost_cache is not None else CostCache(None))
+                            if menu is not None and self.speculate else None)
+        self.shapes = ([e.shape for e in menu if e.shape is not None] if self.calibration is not None
+                       else [self.shape])
 
     def _step(self, sampling: SamplingParams) -> SpeculativeStep | StepProgram | PlainStep:
         if sampling not in self._steps:
-            self._steps[sampling] = self._build_step(sampling)
+            self._steps[sampling] = self._build_step(sampling, self.shape if self.speculate else None)
         return self._steps[sampling]
 
-    def _build_step(self, sampling: SamplingParams) -> SpeculativeStep | StepProgram | PlainStep:
-        if not self.speculate:
-            return PlainStep(sampling, self.program)
+    def step_for(self, sampling: SamplingParams, entry: MenuEntry) -> SpeculativeStep | StepProgram | PlainStep:
+        """The program of one menu entry (calibration), built on first use."""
+        key = (sampling, entry.name)
+        if key not in self._steps:
+            self._steps[key] = self._build_step(sampling, entry.shape, keep_features=True)
+        return self._steps[key]
+
+    def _build_step(self, sampling: SamplingParams, shape: TreeShape | None, keep_features: bool = False
+                    ) -> SpeculativeStep | StepProgram | PlainStep:
+        if shape is None:
+            return PlainStep(sampling, self.program, keep_features=keep_features)
         if not self.options.step_program:
-            return SpeculativeStep(self.drafter, self.shape, sampling, self.program, timings=self.timings)
+            return SpeculativeStep(self.drafter, shape, sampling, self.program, timings=self.timings,
+                                   drift=self.options.drift_monitors)
         config = self.model.config.get_text_config()
         width = len(self.capture_indices) * config.hidden_size
-        step = SpeculativeStep(self.drafter, self.shape, sampling, traced_target_forward(self.model, width))
+        step = SpeculativeStep(self.drafter, shape, sampling, traced_target_forward(self.model, width))
         return StepProgram(step, self.capture_indices, type(self.model).__name__, feature_width=width,
                            vocab_size=self.model.get_output_embeddings().out_features,
                            lowering=self.lowering, kernels=self.options.kernels,
                            recompile_limit=2 * len(self.options.batch_buckets) + 8)
+
+    @staticmethod
+    def cycle_writes(shape: TreeShape | None) -> int:
+        """Cache slots past the root's that one cycle of `shape` may write (None: a plain step)."""
+        if shape is None:
+            return 1
+        return max(shape.total_tokens, shape.tree_slots + 1, shape.depth + 1)
 
     @property
     def graphs_captured(self) -> int:
@@ -117,6 +143,9 @@ class SpeculativeDecoder:
         buffers = self._buffers(batch, slots, device) if graphed else None
         cache, draft_kv = (buffers.cache, buffers.draft_kv) if graphed else self._caches(batch, slots, device)
 
+        self.drift = DriftTotals() if self.options.drift_monitors and self.speculate else None
+        if self.calibration is not None:
+            self.calibration.drift = self.drift
         timings_before = dict(self.timings)
         replays_before = graphed.replays if graphed else 0
         t0 = time.perf_counter()
@@ -125,10 +154,24 @@ class SpeculativeDecoder:
         if graphed:
             state = buffers.hold(state)
         active &= torch.tensor([not f for f in stopper.finished] + [False] * (batch - real))
+        if self.calibration is not None:
+            measured_before = self.calibration.measured_seconds
+            self.calibration.begin(batch)
+            state.drafting = torch.ones_like(state.active)
+            state.floor = torch.full(state.n.shape, -math.inf, device=device)
+            lengths = [len(p) for p in prompts]
         while bool(active.any()):
-            self._cycle(state, cache, draft_kv, sampling, generator, stopper, active, stats, buffers)
+            if self.calibration is not None:
+                self._calibrated_cycle(state, cache, draft_kv, sampling, generator, stopper, active, stats, lengths)
+            else:
+                self._cycle(state, cache, draft_kv, sampling, generator, stopper, active, stats, buffers)
+        if self.calibration is not None:
+            stats.calibration = self.calibration.summary()
+            stats.calibration_time = self.calibration.measured_seconds - measured_before
         if graphed:
             stats.cuda_graph_replays = graphed.replays - replays_before
+        if self.drift is not None:
+            stats.drift = self.drift.read()
         stats.new_tokens = sum(len(g) for g in stopper.generated)
         for phase, seconds in self.timings.items():
             setattr(stats, f"{phase}_time", seconds - timings_before.get(phase, 0.0))
@@ -139,8 +182,11 @@ class SpeculativeDecoder:
     def _tree_stats(self) -> dict:
         if not self.speculate:
             return {"speculate": False}
+        if self.calibration is not None:
+            return {"adaptive": [e.name for e in self.calibration.menu], "source": self.calibration_reason,
+                    "depth": self.shape.depth, "top_k": self.shape.top_k, "total_tokens": self.shape.total_tokens}
         return {"depth": self.shape.depth, "top_k": self.shape.top_k, "total_tokens": self.shape.total_tokens,
-                "source": self.tree_source}
+                "source": self.tree_source, "fixed": self.calibration_reason}
 
     # -- setup -----------------------------------------------------------------------------------------------
     def _caches(self, batch: int, slots: int, device) -> tuple[SlotKVCache, object]:
@@ -183,8 +229,9 @@ class SpeculativeDecoder:
 
     def _slots(self, prompts: list[torch.Tensor], max_new: int) -> int:
         """Static cache slots (target and draft caches alike), sentinel included."""
-        need = cache_slots_needed(max(len(p) for p in prompts), max_new, self.options.prefill_chunk,
-                                  self.shape if self.speculate else None, rows=len(prompts))
+        need = max(cache_slots_needed(max(len(p) for p in prompts), max_new, self.options.prefill_chunk,
+                                      shape if self.speculate else None, rows=len(prompts))
+                   for shape in self.shapes)
         if self.options.max_cache_len is not None:
             if self.options.max_cache_len < need:
                 raise ValueError(f"max_cache_len={self.options.max_cache_len} is too small for a prompt of "
@@ -251,15 +298,20 @@ class SpeculativeDecoder:
             out = self._steps[("graphed", sampling)](buffers, uniforms, final_uniform)
         else:
             out = self._step(sampling)(state, cache, draft_kv, uniforms, final_uniform)
+        if self.drift is not None and out.drift is not None:
+            self.drift.add(out.drift, active)
         accept_len = out.accept_len.tolist()          # the one host read of the cycle
         emitted = out.tokens.tolist()
         stats.step_time += time.perf_counter() - t0
-        for b in range(len(stopper.generated)):
-            if bool(active[b]):
-                stats.acceptance_lengths.append(accept_len[b] + 1)
-                if stopper.extend(b, emitted[b][:accept_len[b] + 1]):
-                    active[b] = False
-        stats.cycles += 1
+        _emit(accept_len, emitted, stopper, active, stats)
+
+    def _calibrated_cycle(self, state, cache, draft_kv, sampling, generator, stopper, active, stats, lengths):
+        t0 = time.perf_counter()
+        longest = max(lengths[b] + len(g) for b, g in enumerate(stopper.generated) if bool(active[b]))
+        accept_len, emitted, _ = self.calibration.cycle(state, cache, draft_kv, sampling, generator, active,
+                                                        longest)
+        stats.step_time += time.perf_counter() - t0
+        _emit(accept_len, emitted, stopper, active, stats)
 
     def _sample_one(self, logits: torch.Tensor, sampling: SamplingParams, generator) -> torch.Tensor:
         """The first new token, from the prefill's last logits [B, V] (float32, as HF casts them)."""
@@ -267,6 +319,17 @@ class SpeculativeDecoder:
             return logits.argmax(-1)
         probs = target_probs(logits, sampling)
         return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def _emit(accept_len: list[int], emitted: list[list[int]], stopper: StopChecker, active: torch.Tensor,
+          stats: GenerationStats) -> None:
+    """Hand each active row its accepted tokens and bonus token; rows the stop checker ends go inactive."""
+    for b in range(len(stopper.generated)):
+        if bool(active[b]):
+            stats.acceptance_lengths.append(accept_len[b] + 1)
+            if stopper.extend(b, emitted[b][:accept_len[b] + 1]):
+                active[b] = False
+    stats.cycles += 1
 
 
 def cache_slots_needed(longest: int, max_new: int, prefill_chunk: int, shape: TreeShape | None,

@@ -34,8 +34,10 @@ from transformers.generation import (
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from eagle_compile.calibrate.costs import CostCache, default_cache_dir
+from eagle_compile.calibrate.menu import default_menu
+from eagle_compile.core.tree import TreeShape
 from eagle_compile.draft.drafter import Drafter, EagleDrafter
-from eagle_compile.draft.tree import TreeShape
 from eagle_compile.draft.tree_file import head_tree
 from eagle_compile.errors import UnsupportedGenerationError
 from eagle_compile.options import EagleOptions, parse_options
@@ -178,8 +180,32 @@ def _decoder(model, draft, opts: EagleOptions) -> SpeculativeDecoder:
     if key not in per_model:
         drafter, indices = _drafter(model, draft) if draft is not None else (None, None)
         shape, source = _tree_shape(model, draft, opts)
-        per_model[key] = SpeculativeDecoder(model, drafter, opts, indices, shape, source)
+        menu, why = _menu(opts, shape, source)
+        per_model[key] = SpeculativeDecoder(model, drafter, opts, indices, shape, source, menu=menu,
+                                            cost_cache=_cost_cache(opts), calibration_reason=why)
     return per_model[key]
+
+
+def _menu(opts: EagleOptions, shape: TreeShape, source: str) -> tuple[tuple | None, str]:
+    """The calibration menu (None: a fixed tree) and why."""
+    if not opts.speculate:
+        return None, "speculate=False"
+    if opts.calibrate == "off":
+        return None, "fixed tree: calibrate='off'"
+    if opts.calibrate == "auto" and opts.tree_given:
+        return None, ("fixed tree: a tree key was given in the options (calibrate='auto' keeps it; "
+                      "calibrate='on' adapts around it)")
+    if opts.calibrate == "auto" and opts.cudagraphs:
+        return None, "fixed tree: cudagraphs=True (the menu's programs are not CUDA-graphed yet)"
+    menu = default_menu(shape)
+    return menu, (f"adaptive (calibrate={opts.calibrate!r}): menu {[e.name for e in menu]}, "
+                  f"largest tree from {source}")
+
+
+def _cost_cache(opts: EagleOptions) -> CostCache:
+    if opts.calibration_cache == "memory":
+        return CostCache(None)
+    return CostCache(opts.calibration_cache or default_cache_dir())
 
 
 def _draft_key(draft) -> Any:

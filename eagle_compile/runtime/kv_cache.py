@@ -5,7 +5,7 @@ advance by different amounts each cycle and tree tokens that land in temporary s
 is compacted. `SlotKVCache` keeps the HF `Cache` interface (so the unmodified HF model runs on it and dynamo
 captures it as an in-place write to static buffers) but each layer's `update` writes the new K/V to
 `write_slots [B, T]`, passed through the model's forward kwargs, with `eagle31::kv_write` (in place through
-every lowering), and returns the whole buffer; the mask (`runtime/masks.py`) decides what each query sees and
+every lowering), and returns the whole buffer; the mask (`core/masks.py`) decides what each query sees and
 the attention op reads only the live slots. Slot == RoPE position of the token in its row; slot `S - 1` is the
 sentinel.
 """
@@ -16,6 +16,7 @@ import torch
 from transformers.cache_utils import Cache, StaticLayer
 
 import eagle_compile.kernels.kv_write  # noqa: F401  (registers torch.ops.eagle31.kv_write)
+from eagle_compile.core.compaction import compact_layer
 
 
 class SlotLayer(StaticLayer):
@@ -72,19 +73,3 @@ class SlotKVCache(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         raise NotImplementedError("SlotKVCache has per-row lengths; pass position_ids and a 4-D mask explicitly")
-
-
-def compact_layer(keys: torch.Tensor, values: torch.Tensor, base: torch.Tensor, path: torch.Tensor) -> None:
-    """One layer of `SlotKVCache.compact` (the reference of `eagle31::kv_compact`, which the accept_subgraph
-    pass substitutes for it in a step program).
-
-    Args:
-        keys, values: [B, Hkv, S, hd] cache buffers, updated in place.
-        base: [B]; path: [B, P] (see `SlotKVCache.compact`).
-    """
-    src = (base[:, None] + path)[:, None, :, None]                                        # [B, 1, P, 1]
-    dst = (base[:, None] + torch.arange(path.shape[1], device=path.device))[:, None, :, None]
-    for buf in (keys, values):
-        idx = src.expand(-1, buf.shape[1], -1, buf.shape[3])
-        moved = buf.gather(2, idx)
-        buf.scatter_(2, dst.expand_as(idx), moved)

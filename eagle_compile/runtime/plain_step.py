@@ -16,29 +16,32 @@ from __future__ import annotations
 
 import torch
 
-from eagle_compile.runtime.masks import SlotMask
+from eagle_compile.core.masks import SlotMask
+from eagle_compile.core.verify import inverse_cdf
 from eagle_compile.runtime.sampling import SamplingParams, target_probs
 from eagle_compile.runtime.step import StepOutput, StepState, TargetForward
-from eagle_compile.runtime.verify import inverse_cdf
 
 
 class PlainStep:
     """Emit one token per active row: the target's greedy (or sampled) next token after the root."""
 
-    def __init__(self, sampling: SamplingParams, target_forward: TargetForward) -> None:
+    def __init__(self, sampling: SamplingParams, target_forward: TargetForward, *, keep_features: bool = False
+                 ) -> None:
         self.sampling = sampling
         self.target_forward = target_forward
+        self.keep_features = keep_features       # the calibration layer re-syncs the draft from them later
 
     def __call__(self, state: StepState, cache, draft_kv, uniforms: torch.Tensor,
                  final_uniform: torch.Tensor) -> StepOutput:
         base = state.n - 1                                                  # [B] the root's slot
         write = torch.where(state.active, base, cache.slots - 1)[:, None]   # inactive rows: sentinel only
-        logits, _ = self.target_forward(state.root[:, None], base[:, None], SlotMask.causal(base, cache.slots),
-                                        write, cache)
+        logits, feats = self.target_forward(state.root[:, None], base[:, None], SlotMask.causal(base, cache.slots),
+                                            write, cache)
         token = self._next(logits[:, 0].float(), final_uniform)             # [B]
         state.root.copy_(torch.where(state.active, token, state.root))
         state.n.copy_(torch.where(state.active, state.n + 1, state.n))
-        return StepOutput(accept_len=torch.zeros_like(base), tokens=token[:, None])
+        return StepOutput(accept_len=torch.zeros_like(base), tokens=token[:, None],
+                          features=feats if self.keep_features else None)
 
     def _next(self, logits: torch.Tensor, final_uniform: torch.Tensor) -> torch.Tensor:
         if not self.sampling.do_sample:

@@ -27,6 +27,9 @@ class GenerationStats:
     compile_time: float = 0.0                         # inductor seconds so far (all calls of this decoder)
     cuda_graph_replays: int = 0
     notes: list[str] = field(default_factory=list)
+    calibration: dict | None = None                   # menu, choices, fallback, estimates, costs (adaptive only)
+    calibration_time: float = 0.0                     # seconds spent measuring costs in this call
+    drift: dict | None = None                         # drift monitors per depth (options drift_monitors=True)
 
     @property
     def tau(self) -> float:
@@ -42,4 +45,5 @@ class GenerationStats:
                 "verify_time": self.verify_time, "accept_time": self.accept_time, "tree": self.tree,
                 "speculate": self.speculate, "lowering": self.lowering, "graphs_captured": self.graphs_captured,
                 "compile_time": self.compile_time, "cuda_graph_replays": self.cuda_graph_replays,
-                "notes": self.notes}
+                "notes": self.notes, "calibration": self.calibration,
+                "calibration_time": self.calibration_time, "drift": self.drift}

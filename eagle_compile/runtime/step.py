@@ -12,17 +12,20 @@ needed, which the `tap_features` pass resolves to the residual streams that `loc
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from eagle_compile.core.masks import SlotMask
+from eagle_compile.core.tree import TreeShape
+from eagle_compile.core.verify import verify_greedy, verify_sample
 from eagle_compile.draft.drafter import Drafter
-from eagle_compile.draft.tree import TreeShape, build_tree
-from eagle_compile.runtime.masks import SlotMask
+from eagle_compile.draft.drift import DriftProbe
+from eagle_compile.draft.tree import build_tree
 from eagle_compile.runtime.sampling import SamplingParams, target_probs
-from eagle_compile.runtime.verify import verify_greedy, verify_sample
 
 TargetForward = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -36,12 +39,17 @@ class StepState:
     seed_feedback: torch.Tensor  # [B, H] draft feedback at position n-2
     seed_head: torch.Tensor      # [B, H] draft head input at position n-2
     active: torch.Tensor         # [B] bool: rows still generating (frozen rows keep their n)
+    drafting: torch.Tensor | None = None   # [B] bool: rows whose draft nodes may be accepted (calibration)
+    floor: torch.Tensor | None = None      # [B] float: nodes with a lower cumulative log-prob are masked
 
 
 @dataclass
 class StepOutput:
     accept_len: torch.Tensor     # [B] accepted draft tokens a
     tokens: torch.Tensor         # [B, D+1] emitted: accepted draft tokens, bonus at index a, -1 after
+    confidence: torch.Tensor | None = None   # [B, D] the best cumulative draft probability at each depth
+    features: torch.Tensor | None = None     # [B, 1, A*Ht] a plain step's target features (draft re-sync)
+    drift: torch.Tensor | None = None        # [B, 4, D] drift monitors (draft/drift.py NAMES), when collected
 
 
 @torch.library.custom_op("eagle31::feature_taps", mutates_args=())
@@ -72,8 +80,10 @@ class SpeculativeStep:
     """The device-side cycle for one tree shape and one sampling setting (both static)."""
 
     def __init__(self, drafter: Drafter, shape: TreeShape, sampling: SamplingParams,
-                 target_forward: TargetForward, *, timings: dict[str, float] | None = None) -> None:
+                 target_forward: TargetForward, *, timings: dict[str, float] | None = None,
+                 drift: bool = False) -> None:
         self.drafter = drafter
+        self.drift = drift              # collect the drift monitors (draft/drift.py) into StepOutput.drift
         self.shape = shape
         self.sampling = sampling
         self.target_forward = target_forward
@@ -95,12 +105,16 @@ class SpeculativeStep:
         shape, d_slots = self.shape, cache.slots      # the draft cache has as many slots as the target's
         active = state.active
         t = time.perf_counter() if self.timings is not None else 0.0
+        probe = DriftProbe() if self.drift else None
         tree = build_tree(self.drafter, draft_kv, state.seed_feedback, state.seed_head, state.root, state.n,
-                          shape, d_slots, active)
+                          shape, d_slots, active, probe=probe)
         t = self._mark("draft", t)
         base = state.n - 1
         positions = base[:, None] + tree.depth
         nodes = torch.arange(shape.total_tokens, device=base.device)
+        if state.drafting is not None:      # calibration: rows in fallback and low-confidence nodes are masked
+            keep = state.drafting[:, None] & (tree.scores >= state.floor[:, None])
+            tree = dataclasses.replace(tree, valid=tree.valid & (keep | (nodes == 0)))
         write = torch.where(active[:, None], base[:, None] + nodes, cache.slots - 1)   # inactive: sentinel only
         mask = SlotMask.tree(tree.ancestors, base, cache.slots)
         logits, feats = self.target_forward(tree.tokens, positions, mask, write, cache)
@@ -118,12 +132,21 @@ class SpeculativeStep:
         state.root.copy_(acc.tokens.gather(1, a[:, None])[:, 0])
         state.n.copy_(torch.where(state.active, state.n + a + 1, state.n))
         self._mark("draft", t)
-        return StepOutput(accept_len=a, tokens=acc.tokens)
+        return StepOutput(accept_len=a, tokens=acc.tokens, confidence=depth_confidence(tree),
+                          drift=None if probe is None else probe.stacked(shape.depth, state.seed_feedback))
 
     def _verify(self, tree, logits, uniforms, final_uniform):
         if not self.sampling.do_sample:
             return verify_greedy(tree, logits)
         return verify_sample(tree, target_probs(logits, self.sampling), uniforms, final_uniform)
+
+
+def depth_confidence(tree) -> torch.Tensor:
+    """[B, D] the largest cumulative draft probability among each depth's nodes (0 where a depth has none)."""
+    B = tree.scores.shape[0]
+    best = torch.full((B, tree.max_depth + 1), -torch.inf, dtype=tree.scores.dtype, device=tree.scores.device)
+    best = best.scatter_reduce(1, tree.depth, tree.scores, reduce="amax")
+    return best[:, 1:].exp()
 
 
 def fill_draft(drafter: Drafter, draft_kv, d_slots: int, features: torch.Tensor, tokens: torch.Tensor,

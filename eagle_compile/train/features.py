@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle_compile.capture_indices import default_capture_indices, validate_capture_indices
+from eagle_compile.core.masks import SlotMask
 from eagle_compile.errors import UnsupportedModelError
 from eagle_compile.runtime.kv_cache import SlotKVCache
-from eagle_compile.runtime.masks import SlotMask
 from eagle_compile.runtime.target_program import TargetProgram
 from eagle_compile.train.data import TokenBatch
 

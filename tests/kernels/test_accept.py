@@ -1,4 +1,4 @@
-"""accept_greedy / accept_sample: the Triton kernel (Triton interpreter on CPU) against runtime/verify.py."""
+"""accept_greedy / accept_sample: the Triton kernel (Triton interpreter on CPU) against core/verify.py."""
 
 from __future__ import annotations
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 from kernel_helpers import assert_close, poisoned
 
+from eagle_compile.core.masks import visible_slots
 from eagle_compile.kernels.tree_attention import (
     slot_mask,
     tree_attention_cpu,
     tree_attention_reference,
     tree_attention_triton,
-    visible_slots,
 )
 
 

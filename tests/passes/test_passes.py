@@ -8,10 +8,10 @@ import torch
 from tiny import ARCHS, tiny_target
 
 from eagle_compile.capture_indices import default_capture_indices
+from eagle_compile.core.masks import SlotMask
 from eagle_compile.errors import UnsupportedModelError
 from eagle_compile.passes import PASSES, PassContext, locate_layers, run_passes
 from eagle_compile.runtime.kv_cache import SlotKVCache
-from eagle_compile.runtime.masks import SlotMask
 from eagle_compile.runtime.target_program import TargetProgram
 
 

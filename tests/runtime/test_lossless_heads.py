@@ -1,5 +1,6 @@
 """Lossless greedy with real (random-weight) EAGLE-3 / EAGLE 3.1 heads through the captured target program:
-4 architectures x 3 tree shapes (one a chain) x batch 1 and a ragged batch of 3 (TESTING.md invariant 1)."""
+4 architectures x a tree and a chain, 2 architectures x a wide tree, x batch 1 and a ragged batch of 3 (TESTING.md
+invariant 1)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ SHAPES = {
 }
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("shape", list(SHAPES))
+CASES = [(arch, shape) for shape in SHAPES for arch in ARCHS if shape != "wide" or arch in ("llama", "qwen3")]
+
+
+@pytest.mark.parametrize(("arch", "shape"), CASES)
 def test_speculative_greedy_equals_generate(arch, shape):
     target = tiny_target(arch, seed=11)
     head = random_head(target, flags=shape != "wide", seed=3, reduced=shape == "tree")

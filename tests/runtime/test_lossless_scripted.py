@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import ScriptedDrafter, greedy_reference, ragged, tiny_target
+from tiny import ScriptedDrafter, continuations, greedy_reference, ragged, tiny_target
 from transformers import StoppingCriteria
 
 import eagle_compile
@@ -17,18 +17,12 @@ import eagle_compile
 TREE = {"depth": 4, "top_k": 3, "total_tokens": 10, "prefill_chunk": 8}
 
 
-def _continuations(ids, mask, ref):
-    width = ids.shape[1]
-    return [[t for t, m in zip(ids[i].tolist(), mask[i].tolist(), strict=True) if m] + ref[i, width:].tolist()
-            for i in range(ids.shape[0])]
-
-
 @pytest.mark.parametrize("mode", ["oracle", "adversarial"])
 def test_scripted_drafters_ragged_batch(mode):
     model = tiny_target("llama", seed=3)
     ids, mask = ragged([4, 13, 9], seed=1)
     ref = greedy_reference(model, ids, attention_mask=mask, max_new_tokens=17)
-    drafter = ScriptedDrafter(_continuations(ids, mask, ref), 96, mode)
+    drafter = ScriptedDrafter(continuations(ids, mask, ref), 96, mode)
     out = eagle_compile.generate(model, ids, attention_mask=mask, draft=drafter, options=TREE, max_new_tokens=17,
                                  return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref)
@@ -63,7 +57,7 @@ def test_eos_in_a_batch_pads_finished_rows_like_hf():
     free = greedy_reference(model, ids, attention_mask=mask, max_new_tokens=15)
     eos = int(free[0, 8 + 3])
     ref = greedy_reference(model, ids, attention_mask=mask, max_new_tokens=15, eos_token_id=eos)
-    drafter = ScriptedDrafter(_continuations(ids, mask, free), 96, "oracle")
+    drafter = ScriptedDrafter(continuations(ids, mask, free), 96, "oracle")
     out = eagle_compile.generate(model, ids, attention_mask=mask, draft=drafter, options=TREE, max_new_tokens=15,
                                  eos_token_id=eos, return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref)

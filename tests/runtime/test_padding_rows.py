@@ -6,13 +6,13 @@ import pytest
 import torch
 from tiny import random_head, tiny_target
 
+from eagle_compile.core.tree import TreeShape
+from eagle_compile.core.verify import draw_uniforms
 from eagle_compile.draft.drafter import EagleDrafter
-from eagle_compile.draft.tree import TreeShape
 from eagle_compile.runtime.kv_cache import SlotKVCache
 from eagle_compile.runtime.sampling import SamplingParams
 from eagle_compile.runtime.step import SpeculativeStep, StepState
 from eagle_compile.runtime.target_program import TargetProgram
-from eagle_compile.runtime.verify import draw_uniforms
 
 SLOTS = 48
 

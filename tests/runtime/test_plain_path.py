@@ -121,7 +121,6 @@ def _head_folder(tmp_path, model, tree: dict | None):
     ({"depth": 2, "top_k": 2, "total_tokens": 5, "chosen_for": {"device": "cpu", "dtype": "float64"}}, True),
     ({"chain": 3, "chosen_for": {"device": "cpu", "dtype": "float64"}}, True),
     ({"depth": 2, "top_k": 2, "total_tokens": 5, "chosen_for": {"device": "cuda", "dtype": "float64"}}, False),
-    ({"depth": 2, "top_k": 2, "total_tokens": 5, "chosen_for": {"device": "cpu", "dtype": "bfloat16"}}, False),
     ({"depth": 2, "top_k": 2, "total_tokens": 5}, False),
     (None, False),
 ])
@@ -132,7 +131,10 @@ def test_the_heads_tree_is_the_default_when_chosen_for_this_device_and_dtype(tmp
     ref = greedy_reference(model, ids, max_new_tokens=8)
     forms = [str(folder), eagle_compile.load_draft(folder, target=model, dtype=torch.float64)]
     for draft in forms if used else forms[:1]:     # EAGLE's 60-node default tree is slow: the folder form only
-        out = eagle_compile.generate(model, ids, draft=draft, max_new_tokens=8, return_dict_in_generate=True)
+        # calibrate off: the tree this picks is the calibration menu's largest program (tested in
+        # tests/runtime/test_calibrated_lossless.py); here only which shape it is and where it came from
+        out = eagle_compile.generate(model, ids, draft=draft, max_new_tokens=8, return_dict_in_generate=True,
+                                     options={"calibrate": "off"})
         assert torch.equal(out.sequences, ref)
         shape = {k: out.stats.tree[k] for k in ("depth", "top_k", "total_tokens")}
         source = out.stats.tree["source"]

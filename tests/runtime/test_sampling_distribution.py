@@ -25,6 +25,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from eagle_compile.core.verify import draw_uniforms, verify_sample
 from eagle_compile.errors import UnsupportedGenerationError
 from eagle_compile.runtime.sampling import (
     HF_GENERATION_DEFAULTS,
@@ -32,7 +33,6 @@ from eagle_compile.runtime.sampling import (
     process_logits,
     target_probs,
 )
-from eagle_compile.runtime.verify import draw_uniforms, verify_sample
 
 VOCAB = 12
 ROWS = 200_000

@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 from scipy.stats import chisquare
-from tiny import tiny_target
+from tiny import force_costs, tiny_target
 
 import eagle_compile
 import eagle_compile.runtime.step as step_module
+from eagle_compile.core.verify import verify_sample
 from eagle_compile.draft.config import DraftConfig
 from eagle_compile.draft.model import EagleDraftModel
 from eagle_compile.runtime.sampling import SamplingParams, target_probs
-from eagle_compile.runtime.verify import verify_sample
 
 V, ROWS = 16, 6000
 SAMPLING = {"do_sample": True, "temperature": 1.3, "top_k": 10, "top_p": 0.95}
@@ -92,6 +92,34 @@ def test_the_distribution_holds_with_the_batch_invariant_kernels(setup32):
     assert max(stats.histogram) >= 2
     assert _p_value(counts, joint) > 1e-3
     assert 0.5 * (counts / ROWS - joint).abs().sum() < 2.0 * (V * V / ROWS) ** 0.5
+
+
+TREE_ONLY = {"plain": 1.0, "chain1": 9.0, "chain2": 9.0, "chain4": 9.0, "tree3x2x6": 1.0}
+
+
+def test_the_distribution_holds_with_calibration_and_node_masking(setup, monkeypatch):
+    """The calibration layer's tree with low-confidence nodes masked (floor from the confidence map): still
+    exactly the target's distribution."""
+    force_costs(monkeypatch, TREE_ONLY, min_accept=0.05)
+    target, head, prompt, joint = setup
+    counts, stats = _sample(target, head, prompt, calibrate="on", calibration_cache="memory")
+    assert stats.calibration["policy"]["chosen"] == {"tree3x2x6": 1}
+    assert stats.calibration["node_floor"] > -1e9                 # nodes under the floor were masked
+    assert max(stats.histogram) >= 2
+    assert _p_value(counts, joint) > 1e-3
+    assert 0.5 * (counts / ROWS - joint).abs().sum() < 2.0 * (V * V / ROWS) ** 0.5
+
+
+def test_negative_control_with_calibration_is_detected(setup, monkeypatch):
+    force_costs(monkeypatch, TREE_ONLY, min_accept=0.05)
+    target, head, prompt, joint = setup
+
+    def accept_every_draft_with_mass(tree, probs, uniforms, final_uniform):
+        return verify_sample(tree, probs, torch.zeros_like(uniforms), final_uniform)
+
+    monkeypatch.setattr(step_module, "verify_sample", accept_every_draft_with_mass)
+    counts, _ = _sample(target, head, prompt, calibrate="on", calibration_cache="memory")
+    assert _p_value(counts, joint) < 1e-6
 
 
 def test_negative_control_eager_acceptance_is_detected(setup, monkeypatch):

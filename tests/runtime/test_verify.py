@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from eagle_compile.core.verify import Acceptance, draw_uniforms, verify_greedy, verify_sample
 from eagle_compile.runtime.sampling import SamplingParams, target_probs
-from eagle_compile.runtime.verify import Acceptance, draw_uniforms, verify_greedy, verify_sample
 
 ALMOST_ONE = 1.0 - 2.0**-53  # the largest float64 below 1: the least favourable u for acceptance
 

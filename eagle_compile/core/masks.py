@@ -19,8 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle_compile.kernels.tree_attention import visible_slots
-
 
 @dataclass(frozen=True)
 class SlotMask:
@@ -47,3 +45,26 @@ class SlotMask:
     def visible(self, tokens: int) -> torch.Tensor:
         """[B, T, S] bool."""
         return visible_slots(self.base, self.local, tokens, self.slots)
+
+
+def block_width(tokens: int, local: torch.Tensor | None) -> int:
+    """W: how many slots from `base` the block spans (T for a causal block)."""
+    return tokens if local is None else local.shape[-1]
+
+
+def visible_slots(base: torch.Tensor, local: torch.Tensor | None, tokens: int, slots: int) -> torch.Tensor:
+    """[B, T, S] bool: which cache slot each query sees (the definition of the module docstring).
+
+    Args:
+        base: [B] int64 first block slot per row. local: [B, T, W] bool or None (causal block of `tokens`).
+    """
+    s = torch.arange(slots, device=base.device)
+    j = s[None, :] - base[:, None]                                          # [B, S]: offset into the block
+    width = block_width(tokens, local)
+    in_block = (j >= 0) & (j < width)
+    if local is None:
+        block = j[:, None, :] <= torch.arange(tokens, device=base.device)[None, :, None]       # [B, T, S]
+    else:
+        index = j.clamp(0, width - 1)[:, None, :].expand(-1, tokens, -1)
+        block = local.gather(2, index)
+    return (j < 0)[:, None, :] | (in_block[:, None, :] & block)

@@ -1,0 +1,244 @@
+"""The calibration layer at run time (DESIGN.md §4): measured costs, the per-cycle choice, fallback, re-sync.
+
+`Calibration` is owned by a `SpeculativeDecoder` with a menu of programs (`calibrate/menu.py`). Per generate
+call and cycle:
+
+1. **Costs.** For the call's batch bucket and the context bucket of its longest row, the cycle time of every
+   menu program is looked up in the `CostCache` or measured now (each program run once to capture it, then
+   interleaved rounds) on the call's own caches, at a scratch row state placed past every row's committed
+   tokens: the writes of a measured cycle land in slots no query reads before a real cycle rewrites them.
+   When the longest row crosses into the next context bucket, that bucket's costs are fetched the same way.
+2. **Choice.** `CalibrationPolicy.decide` picks the program; the rows that draft and the node floor are copied
+   into the row state (masking inside the program, shapes stay static).
+3. **Outcome.** One host read per cycle carries the accepted lengths, the emitted tokens and the per-depth
+   draft confidence (packed into one int64 tensor); estimates and the confidence map are updated from it.
+4. **Re-sync.** A plain step leaves the draft behind by one token; its target features are kept on the device,
+   and before the next speculative cycle one catch-up forward over all of them brings the draft's KV and seeds
+   up to date (EAGLE catch-up, EAGLE31_SPEC.md §4.1): the draft never runs during fallback.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from eagle_compile.calibrate.acceptance import AcceptanceEstimates, ConfidenceMap
+from eagle_compile.calibrate.costs import (
+    CostCache,
+    CostKey,
+    CostTable,
+    context_bucket,
+    device_name,
+    interleaved_times,
+    target_fingerprint,
+    verify_call,
+)
+from eagle_compile.calibrate.menu import MenuEntry, families
+from eagle_compile.calibrate.policy import CalibrationPolicy
+from eagle_compile.core.masks import SlotMask
+from eagle_compile.core.verify import draw_uniforms
+from eagle_compile.runtime.step import StepState, catch_up
+
+_CONF_SCALE = 1 << 24          # confidence in [0, 1] packed as an int64 beside the tokens: one host read
+RESYNC_COLUMNS = 64            # re-sync the draft after this many plain steps even in fallback (bounds memory)
+
+
+@dataclass
+class CalibrationSettings:
+    repeats: int = 3               # timed rounds per program when measuring costs
+    warmup: int = 1                # untimed rounds (after each program's first, capturing, call)
+    min_accept: float = 0.02       # nodes whose calibrated acceptance is below this are not grown
+
+
+class Calibration:
+    def __init__(self, decoder, menu: tuple[MenuEntry, ...], cache: CostCache,
+                 settings: CalibrationSettings | None = None) -> None:
+        self.decoder = decoder
+        self.menu = menu
+        self.cache = cache
+        self.settings = settings or CalibrationSettings()
+        self.estimates = AcceptanceEstimates(families(menu), rows=0)
+        self.confidence = ConfidenceMap()
+        self.policy = CalibrationPolicy(menu)
+        self.tables: dict[CostKey, CostTable] = {}     # cost tables in use by this decoder (for explain)
+        self._stash: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._costs: dict[str, float] = {}
+        self._context = 0
+        self.measured_seconds = 0.0                     # all cost measurements of this decoder
+        self.drift = None                               # the call's draft.drift.DriftTotals, when monitored
+
+    # -- per call ---------------------------------------------------------------------------------------------
+    def begin(self, rows: int) -> None:
+        self.estimates.reset_rows(rows)
+        self.policy.reset(rows)
+        self._stash.clear()
+        self._context = 0
+
+    def key(self, batch: int, context: int) -> CostKey:
+        d = self.decoder
+        param = next(d.model.parameters())
+        import eagle_compile
+
+        return CostKey(device=device_name(param.device), dtype=str(param.dtype).removeprefix("torch."),
+                       target=target_fingerprint(d.model),
+                       lowering=f"{d.lowering.describe()}; kernels={d.options.kernels}; "
+                                f"step_program={d.options.step_program}",
+                       menu=tuple(e.name for e in self.menu[1:]), batch_bucket=batch,
+                       context_bucket=context, package=eagle_compile.__version__, torch=torch.__version__)
+
+    def ensure_costs(self, longest: int, state: StepState, cache, draft_kv, sampling) -> None:
+        """The relative costs for the context bucket of `longest` committed tokens (fetched or measured)."""
+        bucket = context_bucket(longest)
+        if bucket == self._context:
+            return
+        key = self.key(state.n.shape[0], bucket)
+        table = self.cache.get(key)
+        if table is None:
+            table = self.measure(bucket, state, cache, draft_kv, sampling)
+            self.cache.put(key, table)
+        self.tables[key] = table
+        self._costs = table.relative()
+        self._context = bucket
+
+    def measure(self, bucket: int, state: StepState, cache, draft_kv, sampling) -> CostTable:
+        """Time every menu program's cycle at this batch and `bucket` tokens of context (clipped to the cache)."""
+        t0 = time.perf_counter()
+        d = self.decoder
+        widest = max(d.cycle_writes(e.shape) for e in self.menu)
+        top = int(state.n.max())
+        context = max(top, min(bucket, cache.slots - widest - 2))
+        batch, device = state.n.shape[0], state.n.device
+        scratch = {}
+        calls = {}
+        for e in self.menu:
+            s = StepState(n=torch.full_like(state.n, context + 1), root=state.root.clone(),
+                          seed_feedback=state.seed_feedback.clone(), seed_head=state.seed_head.clone(),
+                          active=torch.ones_like(state.active),
+                          drafting=torch.ones_like(state.active), floor=torch.full((batch,), -torch.inf,
+                                                                                   device=device))
+            scratch[e.name] = s
+            step = d.step_for(sampling, e)
+            depth, top_k = (e.shape.depth, e.shape.top_k) if e.shape is not None else (0, 0)
+            uniforms, final = draw_uniforms(batch, depth, top_k, device=device)
+
+            def call(step=step, s=s, n0=context + 1, u=uniforms, f=final):
+                s.n.fill_(n0)
+                return step(s, cache, draft_kv, u, f).accept_len.tolist()
+
+            calls[e.name] = call
+            call()                                  # the first call captures the program: not timed
+        times = interleaved_times(calls, repeats=self.settings.repeats, warmup=self.settings.warmup,
+                                  device=device)
+        verify = {}
+        if not d.options.step_program:
+            sizes = sorted({e.tokens for e in self.menu})
+            vcalls = {n: verify_call(d.program, cache, context, n, batch=batch) for n in sizes}
+            for fn in vcalls.values():
+                fn()
+            verify = {n: t["median"] for n, t in interleaved_times(vcalls, repeats=self.settings.repeats,
+                                                                   warmup=0, device=device).items()}
+        level = self._draft_level(state, draft_kv, cache.slots, context, device)
+        seconds = time.perf_counter() - t0
+        self.measured_seconds += seconds
+        return CostTable(cycle={name: t["median"] for name, t in times.items()}, context=context, verify=verify,
+                         draft_level=level, measure_seconds=seconds,
+                         source=f"measured now ({self.settings.repeats} interleaved rounds)")
+
+    def _draft_level(self, state, draft_kv, slots: int, context: int, device) -> float | None:
+        """Seconds of one draft level of the widest tree in the menu: a draft forward over its frontier + top-k."""
+        drafter = self.decoder.drafter
+        trees = [e.shape for e in self.menu if e.shape is not None]
+        if drafter is None or not trees:
+            return None
+        k = max(s.top_k for s in trees)
+        batch = state.n.shape[0]
+        hidden = state.seed_feedback[:, None, :].expand(batch, k, state.seed_feedback.shape[-1])
+        tokens = state.root[:, None].expand(batch, k)
+        base = torch.full((batch,), context, device=device)
+        positions = (base - 1)[:, None].expand(batch, k)
+        write = base[:, None] + torch.arange(k, device=device)
+        anc = torch.eye(k, dtype=torch.bool, device=device).expand(batch, k, k)
+        mask = SlotMask.tree(anc, base, slots)
+
+        def level():
+            _, head = drafter.forward(draft_kv, hidden, tokens, positions, write, mask, fuse=False)
+            return drafter.top_k(head, k)[0].sum().item()
+
+        level()
+        return interleaved_times({"level": level}, repeats=self.settings.repeats, warmup=0,
+                                 device=device)["level"]["median"]
+
+    # -- per cycle --------------------------------------------------------------------------------------------
+    def cycle(self, state: StepState, cache, draft_kv, sampling, generator, active: torch.Tensor,
+              longest: int) -> tuple[list[int], list[list[int]], MenuEntry]:
+        """Run one cycle; returns (accepted lengths, emitted tokens per row, the program run)."""
+        d = self.decoder
+        self.ensure_costs(longest, state, cache, draft_kv, sampling)
+        decision = self.policy.decide(self._costs, self.estimates, active)
+        entry = decision.entry
+        if entry.shape is None:
+            out = self._plain(state, cache, draft_kv, sampling, generator, active)
+            packed = out.tokens
+            read = packed.tolist()                        # the one host read of the cycle
+            return [0] * len(read), read, entry
+        self.resync(state, draft_kv, cache.slots)
+        state.drafting.copy_(decision.drafting.to(state.drafting.device))
+        state.floor.fill_(self.confidence.floor(self.settings.min_accept))
+        uniforms, final = draw_uniforms(state.n.shape[0], entry.shape.depth, entry.shape.top_k,
+                                        generator=generator, device=state.n.device)
+        state.active.copy_(active)
+        out = d.step_for(sampling, entry)(state, cache, draft_kv, uniforms, final)
+        conf = (out.confidence.float().clamp(0, 1) * _CONF_SCALE).round().long()
+        packed = torch.cat([out.accept_len[:, None], out.tokens, conf], 1)
+        read = torch.tensor(packed.tolist(), dtype=torch.long)    # the one host read of the cycle
+        depth = entry.shape.depth
+        accept_len, tokens, conf = read[:, 0], read[:, 1:depth + 2], read[:, depth + 2:].double() / _CONF_SCALE
+        ran = active & decision.drafting
+        if self.drift is not None and out.drift is not None:
+            self.drift.add(out.drift, ran)
+        self.estimates.update(entry.family, depth, accept_len, ran)
+        self.confidence.update(conf, accept_len, depth, ran)
+        if decision.probe and self.policy.in_fallback:
+            self.policy.after_probe(self._costs, self.estimates, active)
+        return accept_len.tolist(), tokens.tolist(), entry
+
+    def _plain(self, state, cache, draft_kv, sampling, generator, active):
+        d = self.decoder
+        _, final = draw_uniforms(state.n.shape[0], 0, 0, generator=generator, device=state.n.device)
+        state.active.copy_(active)
+        out = d.step_for(sampling, self.menu[0])(state, cache, draft_kv, None, final)
+        self._stash.append((out.features[:, :1], out.tokens[:, :1]))
+        if len(self._stash) >= RESYNC_COLUMNS:
+            self.resync(state, draft_kv, cache.slots)
+        return out
+
+    def resync(self, state: StepState, draft_kv, slots: int) -> None:
+        """Catch the draft up over the plain steps since the last speculative cycle: pairs (feature at p, token
+        p+1) for the T positions those steps processed, one draft forward; rows not active keep their seeds."""
+        if not self._stash:
+            return
+        feats = torch.cat([f for f, _ in self._stash], 1)          # [B, T, F]
+        tokens = torch.cat([t for _, t in self._stash], 1)         # [B, T]
+        self._stash.clear()
+        span = tokens.shape[1]
+        active = state.active            # a row active now was active in every stashed step (stops are final)
+        base = torch.where(active, state.n - 1 - span, state.n - 1)
+        last = torch.where(active, state.n - 2, base - 1)
+        fb, head = catch_up(self.decoder.drafter, draft_kv, slots, feats, tokens, base, last)
+        state.seed_feedback.copy_(torch.where(active[:, None], fb, state.seed_feedback))
+        state.seed_head.copy_(torch.where(active[:, None], head, state.seed_head))
+
+    # -- report -----------------------------------------------------------------------------------------------
+    def summary(self) -> dict:
+        est = {}
+        for fam in self.estimates.families:
+            est[fam] = [round(float(x), 3) for x in self.estimates.head_alpha(fam)]
+        return {"menu": [e.name for e in self.menu], "policy": self.policy.stats.as_dict(),
+                "node_floor": self.confidence.floor(self.settings.min_accept),
+                "head_alpha": est, "confidence_map": [round(float(x), 3) for x in self.confidence.values()],
+                "costs": {f"batch {k.batch_bucket}, context {k.context_bucket}": t.describe()
+                          for k, t in self.tables.items()},
+                "refused_cache_entries": list(self.cache.refused)}
+

@@ -1,0 +1,114 @@
+"""The decision rule on synthetic costs and acceptance (DESIGN.md §4): a useless head falls back to plain
+decoding and probes with growing backoff, an oracle gets the deepest tree that pays, the hysteresis bounds
+switching, and in a batch a row without gain is masked while the others draft."""
+
+from __future__ import annotations
+
+import torch
+
+from eagle_compile.calibrate.acceptance import AcceptanceEstimates
+from eagle_compile.calibrate.menu import default_menu, families
+from eagle_compile.calibrate.policy import CalibrationPolicy
+from eagle_compile.core.tree import TreeShape
+
+DEEP = TreeShape(7, 4, 24)
+MENU = default_menu(DEEP)                       # plain, chain1, chain2, chain4, tree7x4x24
+COSTS = {"plain": 1.0, "chain1": 1.15, "chain2": 1.25, "chain4": 1.5, "tree7x4x24": 2.0}
+
+
+def _run(outcome, cycles: int, rows: int = 1, costs=COSTS):
+    """Drive the policy for `cycles` cycles; outcome(entry, row) -> accepted draft tokens of that row."""
+    est = AcceptanceEstimates(families(MENU), rows)
+    policy = CalibrationPolicy(MENU)
+    policy.reset(rows)
+    active = torch.ones(rows, dtype=torch.bool)
+    trace = []
+    for _ in range(cycles):
+        d = policy.decide(costs, est, active)
+        trace.append((d.entry.name, d.drafting.clone(), d.probe))
+        if d.entry.shape is not None:
+            a = torch.tensor([outcome(d.entry, r) if bool(d.drafting[r]) else 0 for r in range(rows)])
+            est.update(d.entry.family, d.entry.depth, a, d.drafting)
+            if d.probe and policy.in_fallback:
+                policy.after_probe(costs, est, active)
+    return policy, est, trace
+
+
+def test_a_useless_head_falls_back_to_plain_and_probes_with_backoff():
+    policy, est, trace = _run(lambda e, r: 0, 300)
+    names = [t[0] for t in trace]
+    assert names[-1] == "plain" and policy.in_fallback
+    assert policy.stats.plain_cycles > 270                    # almost every cycle plain
+    probes = [i for i, t in enumerate(trace) if t[2]]
+    assert probes and policy.stats.probes == len(probes)
+    gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
+    assert gaps == sorted(gaps) and gaps[-1] >= 64            # the backoff grows (doubling up to 128)
+    assert len(probes) <= 9
+
+
+def test_an_oracle_gets_the_deepest_tree():
+    policy, est, trace = _run(lambda e, r: e.depth, 60)
+    names = [t[0] for t in trace]
+    assert names[-20:] == ["tree7x4x24"] * 20                 # E = 8 tokens for 2 plain steps: 4x
+    assert policy.stats.plain_cycles < 5
+
+
+def test_a_chain_wins_when_the_tree_costs_too_much():
+    costs = {**COSTS, "tree7x4x24": 6.0}
+    policy, _, trace = _run(lambda e, r: e.depth, 60, costs=costs)
+    assert [t[0] for t in trace][-10:] == ["chain4"] * 10
+
+
+def _geometric(gen, depth: int, alpha: float = 0.6) -> int:
+    a = 0
+    while a < depth and torch.rand((), generator=gen) < alpha:
+        a += 1
+    return a
+
+
+def _switches(margin: float) -> int:
+    """300 cycles of noisy acceptance (alpha 0.6 at every depth) where several programs have nearly equal
+    rates, so the estimates' noise alone keeps reordering them."""
+    close = {"plain": 1.0, "chain1": 1.1, "chain2": 1.25, "chain4": 1.5, "tree7x4x24": 1.55}
+    gen = torch.Generator().manual_seed(0)
+    policy = CalibrationPolicy(MENU, margin=margin)
+    policy.reset(1)
+    est = AcceptanceEstimates(families(MENU), 1)
+    active = torch.ones(1, dtype=torch.bool)
+    for _ in range(300):
+        d = policy.decide(close, est, active)
+        if d.entry.shape is not None:
+            est.update(d.entry.family, d.entry.depth, torch.tensor([_geometric(gen, d.entry.depth)]), d.drafting)
+    return policy.stats.switches
+
+
+def test_switching_is_bounded_by_the_hysteresis():
+    with_margin, without = _switches(0.05), _switches(0.0)
+    assert with_margin <= 15
+    assert without >= 2 * with_margin         # negative control: with no margin the choice flaps more
+
+
+def test_a_row_without_gain_is_masked_while_the_others_draft():
+    policy, est, trace = _run(lambda e, r: e.depth if r == 0 else 0, 120, rows=2)
+    spec = [t for t in trace if t[0] != "plain"]
+    assert spec and spec[-1][0] == "tree7x4x24"
+    masked = [t for t in spec[20:] if not bool(t[1][1])]
+    assert len(masked) > len(spec[20:]) * 0.8                 # row 1 is masked most of the time
+    assert all(bool(t[1][0]) for t in spec[20:])              # row 0 always drafts
+    assert policy.stats.row_probes > 0 and policy.stats.row_fallback_cycles > 0
+
+
+def test_a_large_batch_shrinks_speculation():
+    """Costs that grow with the batch (verify of N tokens x B rows) move the choice to a smaller program."""
+    small_batch = {"plain": 1.0, "chain1": 1.1, "chain2": 1.2, "chain4": 1.4, "tree7x4x24": 1.9}
+    big_batch = {"plain": 1.0, "chain1": 1.5, "chain2": 2.0, "chain4": 3.0, "tree7x4x24": 12.0}
+
+    def half(e, r):
+        return min(e.depth, 1)               # the first draft token is accepted, nothing deeper
+
+    _, _, t_small = _run(half, 80, rows=4, costs=small_batch)
+    _, _, t_big = _run(half, 80, rows=4, costs=big_batch)
+    assert t_small[-1][0] in ("chain1", "chain2") and t_big[-1][0] == "chain1"
+    big_plain = {**big_batch, "chain1": 2.2}
+    p, _, t = _run(half, 80, rows=4, costs=big_plain)
+    assert t[-1][0] == "plain" and p.in_fallback
