@@ -105,11 +105,11 @@ def _long_prompt(tokenizer, length: int = 1200) -> torch.Tensor:
 def test_batch_invariant_speculation_equals_plain_mode(target, monkeypatch):
     """The default options on CPU float32 (batch-invariant numerics, the calibration layer on): speculative greedy
     == plain greedy of the same programs, bit for bit, on a 1200-token prompt (two prefill chunks). The policy is
-    made to run the menu's programs in turn (plain step, chains of 1, 2 and 4, the head's tree: verify N = 1 .. 8,
-    and the re-sync after plain steps); docs/BENCHMARKS.md has longer runs of the real policy."""
+    made to run a plain step, a chain of 1 and the head's tree in turn (verify N = 1, 2 and 8, and the re-sync after
+    plain steps); docs/BENCHMARKS.md has longer runs of the real policy."""
     from tiny import rotate_programs
 
-    rotate_programs(monkeypatch)
+    rotate_programs(monkeypatch, order=[0, 1, 4])
     model, tokenizer = target
     draft = eagle_compile.load_draft(shipped_head(), target=model, dtype=torch.float32)
     plain = torch.compile(model, backend="eagle31", options={"speculate": False, "prefill_chunk": 1024})
@@ -118,11 +118,11 @@ def test_batch_invariant_speculation_equals_plain_mode(target, monkeypatch):
     lengths, chosen = [], set()
     with torch.no_grad():
         for ids in prompts:
-            ref = plain.generate(ids, max_new_tokens=48, return_dict_in_generate=True)
-            out = fast.generate(ids, max_new_tokens=48, return_dict_in_generate=True)
+            ref = plain.generate(ids, max_new_tokens=32, return_dict_in_generate=True)
+            out = fast.generate(ids, max_new_tokens=32, return_dict_in_generate=True)
             assert "numerics batch_invariant" in ref.stats.lowering and "numerics batch_invariant" in out.stats.lowering
             assert torch.equal(out.sequences, ref.sequences)
             lengths += out.stats.acceptance_lengths
             chosen |= set(out.stats.calibration["policy"]["chosen"])
     assert max(lengths) > 1                      # drafts were accepted: the comparison covered verify trees
-    assert len(chosen) == 5, chosen              # every program size of the menu ran
+    assert chosen == {"plain", "chain1", "tree3x3x8"}, chosen   # verify N = 1, 2 and 8, and the re-sync

@@ -29,7 +29,7 @@ def test_an_always_wrong_drafter_falls_back_with_measured_costs():
     ids, mask = ragged([4, 13, 9], seed=1)
     ref = greedy_reference(model, ids, attention_mask=mask, max_new_tokens=40)
     drafter = ScriptedDrafter(continuations(ids, mask, ref), 96, "adversarial")
-    out = eagle_compile.generate(model, ids, attention_mask=mask, draft=drafter, options={**TREE, **ON},
+    out = eagle_compile.generate(model, ids, attention_mask=mask, draft=drafter, options={"chain": 2, **ON},
                                  max_new_tokens=40, return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref)
     policy = out.stats.calibration["policy"]
@@ -56,7 +56,7 @@ def test_an_oracle_gets_the_deepest_program_and_stays_exact(monkeypatch):
     assert max(chosen, key=chosen.get) == "chain4" and out.stats.tau > 3.0
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
+@pytest.mark.parametrize("arch", ["qwen3"])
 def test_random_heads_with_the_menu_and_node_masking(arch, monkeypatch):
     force_costs(monkeypatch, min_accept=0.3)       # speculate every cycle, mask nodes the map rates < 0.3
     target = tiny_target(arch, seed=11)
@@ -160,15 +160,24 @@ def test_eos_inside_an_accepted_block_with_calibration(monkeypatch):
     assert torch.equal(out.sequences, ref) and out.sequences[0, -1] == eos
 
 
-def test_the_default_options_adapt_and_a_given_tree_stays_fixed():
+def test_the_default_options_adapt_and_a_given_tree_stays_fixed(tmp_path):
+    import json
+
+    from eagle_compile.draft.checkpoint import save_draft
+
     model = tiny_target("llama", seed=1)
     head = random_head(model, flags=True, seed=0, reduced=False)
+    save_draft(head, tmp_path / "head")           # the head's tree.json: the menu's largest program
+    (tmp_path / "head" / "tree.json").write_text(json.dumps({"chain": 2, "chosen_for": {"device": "cpu",
+                                                                                         "dtype": "float64"}}))
     ids = torch.randint(3, 96, (1, 5), generator=torch.Generator().manual_seed(0))
     ref = greedy_reference(model, ids, max_new_tokens=8)
-    out = eagle_compile.generate(model, ids, draft=head, max_new_tokens=8, return_dict_in_generate=True)
+    out = eagle_compile.generate(model, ids, draft=str(tmp_path / "head"), max_new_tokens=8,
+                                 return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref)
-    assert out.stats.tree["adaptive"][0] == "plain" and out.stats.calibration is not None
-    fixed = eagle_compile.generate(model, ids, draft=head, options=TREE, max_new_tokens=8,
+    assert out.stats.tree["adaptive"] == ["plain", "chain1", "chain2"] and out.stats.calibration is not None
+    assert "tree.json" in out.stats.tree["source"]
+    fixed = eagle_compile.generate(model, ids, draft=head, options={"chain": 2}, max_new_tokens=8,
                                    return_dict_in_generate=True)
     assert fixed.stats.calibration is None and "fixed tree" in fixed.stats.tree["fixed"]
     assert torch.equal(fixed.sequences, ref)

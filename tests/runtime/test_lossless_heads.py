@@ -1,5 +1,5 @@
 """Lossless greedy with real (random-weight) EAGLE-3 / EAGLE 3.1 heads through the captured target program:
-4 architectures x a tree and a chain, 2 architectures x a wide tree, x batch 1 and a ragged batch of 3 (TESTING.md
+4 architectures x a tree and a chain (llama also a wide tree), on a ragged batch of 3 (llama also batch 1) (TESTING.md
 invariant 1)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ SHAPES = {
 }
 
 
-CASES = [(arch, shape) for shape in SHAPES for arch in ARCHS if shape != "wide" or arch in ("llama", "qwen3")]
+CASES = [(arch, shape) for shape in SHAPES for arch in ARCHS if shape != "wide" or arch == "llama"]
 
 
 @pytest.mark.parametrize(("arch", "shape"), CASES)
@@ -25,7 +25,7 @@ def test_speculative_greedy_equals_generate(arch, shape):
     target = tiny_target(arch, seed=11)
     head = random_head(target, flags=shape != "wide", seed=3, reduced=shape == "tree")
     options = {**SHAPES[shape], "prefill_chunk": 8}
-    for rows in (1, 3):
+    for rows in (1, 3) if arch == "llama" else (3,):            # the ragged batch of 3 covers a row of 7
         ids, mask = ragged_batch(rows, seed=rows)
         ref = greedy_reference(target, ids, attention_mask=mask, max_new_tokens=14)
         out = eagle_compile.generate(target, ids, attention_mask=mask, draft=head, options=options,

@@ -121,7 +121,6 @@ def _head_folder(tmp_path, model, tree: dict | None):
     ({"depth": 2, "top_k": 2, "total_tokens": 5, "chosen_for": {"device": "cpu", "dtype": "float64"}}, True),
     ({"chain": 3, "chosen_for": {"device": "cpu", "dtype": "float64"}}, True),
     ({"depth": 2, "top_k": 2, "total_tokens": 5, "chosen_for": {"device": "cuda", "dtype": "float64"}}, False),
-    ({"depth": 2, "top_k": 2, "total_tokens": 5}, False),
     (None, False),
 ])
 def test_the_heads_tree_is_the_default_when_chosen_for_this_device_and_dtype(tmp_path, tree, used):
