@@ -90,7 +90,7 @@ class CalibrationPolicy:
         """The program for this cycle. costs: {name: cycle time in plain steps}; active: [rows] bool."""
         if self.in_fallback and self.wait + 1 < self.backoff:      # a plain cycle between probes: nothing to weigh
             self.wait += 1
-            self._book(self.menu[0], active, active, False)
+            self._book(self.menu[0], False)
             return Decision(entry=self.menu[0], drafting=torch.zeros_like(active), probe=False, rates={})
         by_name = {e.name: e for e in self.menu}
         spec = list(self.menu[1:])
@@ -117,7 +117,7 @@ class CalibrationPolicy:
                 self.stats.fallbacks += 1
         if chosen.shape is not None and not probe:
             probe = self._row_probes(drafting, active)
-        self._book(chosen, drafting, active, probe and self.in_fallback)
+        self._book(chosen, probe and self.in_fallback)
         return Decision(entry=chosen, drafting=drafting & active, probe=probe, rates=rates)
 
     def after_probe(self, costs: dict[str, float], est: AcceptanceEstimates, active: torch.Tensor) -> None:
@@ -160,7 +160,7 @@ class CalibrationPolicy:
         self.stats.row_fallback_cycles += int((masked & ~due).sum())
         return True
 
-    def _book(self, chosen: MenuEntry, drafting: torch.Tensor, active: torch.Tensor, batch_probe: bool) -> None:
+    def _book(self, chosen: MenuEntry, batch_probe: bool) -> None:
         if self.current is not None and chosen.name != self.current.name and not batch_probe:
             self.stats.switches += 1
         self.stats.chosen[chosen.name] += 1
