@@ -74,13 +74,13 @@ def test_stop_strings_end_the_output_like_hf(target):
     model, tokenizer = target
     draft = eagle_compile.load_draft(shipped_head(), target=model, dtype=torch.float32)
     ids = _prompts(tokenizer)[0]
-    free = model.generate(ids, max_new_tokens=40, do_sample=False)
+    free = model.generate(ids, max_new_tokens=24, do_sample=False)
     text = tokenizer.decode(free[0, ids.shape[1]:])
-    stop = text.split()[5]                         # a word the greedy continuation reaches after a few tokens
+    stop = text.split()[4]                         # a word the greedy continuation reaches after a few tokens
     with torch.no_grad():
-        ref = model.generate(ids, max_new_tokens=40, do_sample=False, stop_strings=[stop], tokenizer=tokenizer)
+        ref = model.generate(ids, max_new_tokens=24, do_sample=False, stop_strings=[stop], tokenizer=tokenizer)
         out = eagle_compile.generate(model, ids, draft=draft, options={"chain": 3, "numerics": "eager"},
-                                     max_new_tokens=40,
+                                     max_new_tokens=24,
                                      stop_strings=[stop], tokenizer=tokenizer)
     assert ref.shape[1] < free.shape[1]            # the stop string did cut the output
     assert torch.equal(out, ref)
@@ -94,7 +94,7 @@ def test_batch_invariant_logits_do_not_depend_on_how_a_token_is_computed(target)
     assert program.contexts[0].counts["batch_invariant"] == 30 * 7 + 1 + 30      # every linear and attention
 
 
-def _long_prompt(tokenizer, length: int = 1200) -> torch.Tensor:
+def _long_prompt(tokenizer, length: int = 600) -> torch.Tensor:
     with (DATA.parents[1] / "long_context" / "leval" / "meeting_summ.jsonl").open() as f:
         text = json.loads(f.readline())["input"]
     ids = tokenizer(text, return_tensors="pt")["input_ids"][:, :length]
@@ -104,7 +104,7 @@ def _long_prompt(tokenizer, length: int = 1200) -> torch.Tensor:
 
 def test_batch_invariant_speculation_equals_plain_mode(target, monkeypatch):
     """The default options on CPU float32 (batch-invariant numerics, the calibration layer on): speculative greedy
-    == plain greedy of the same programs, bit for bit, on a 1200-token prompt (two prefill chunks). The policy is
+    == plain greedy of the same programs, bit for bit, on a 600-token prompt (two prefill chunks). The policy is
     made to run a plain step, a chain of 1 and the head's tree in turn (verify N = 1, 2 and 8, and the re-sync after
     plain steps); docs/BENCHMARKS.md has longer runs of the real policy."""
     from tiny import rotate_programs
@@ -112,8 +112,8 @@ def test_batch_invariant_speculation_equals_plain_mode(target, monkeypatch):
     rotate_programs(monkeypatch, order=[0, 1, 4])
     model, tokenizer = target
     draft = eagle_compile.load_draft(shipped_head(), target=model, dtype=torch.float32)
-    plain = torch.compile(model, backend="eagle31", options={"speculate": False, "prefill_chunk": 1024})
-    fast = torch.compile(model, backend="eagle31", options={"draft": draft, "prefill_chunk": 1024})
+    plain = torch.compile(model, backend="eagle31", options={"speculate": False, "prefill_chunk": 512})
+    fast = torch.compile(model, backend="eagle31", options={"draft": draft, "prefill_chunk": 512})
     prompts = [_long_prompt(tokenizer)]
     lengths, chosen = [], set()
     with torch.no_grad():
