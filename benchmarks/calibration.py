@@ -51,6 +51,7 @@ from common import (
     markdown_table,
     print_load,
     read_jsonl,
+    resumable_log,
     set_threads,
     write_json,
 )
@@ -122,10 +123,12 @@ class Runner:
         self.compiled: dict[str, Any] = {}
 
     def method(self, name: str, options: dict | None):
-        """A callable (ids, mask, new) -> (sequences, stats or None); options None = HF generate."""
-        if options is None:
+        """A callable (ids, mask, new) -> (sequences, stats or None); options None = HF generate, {"hf": kwargs}
+        = HF generate with these keyword arguments (e.g. prompt_lookup_num_tokens)."""
+        if options is None or "hf" in options:
+            extra = {} if options is None else options["hf"]
             return lambda ids, mask, new: (self.model.generate(ids, attention_mask=mask, max_new_tokens=new,
-                                                               do_sample=False), None)
+                                                               do_sample=False, **extra), None)
         if name not in self.compiled:
             self.compiled[name] = torch.compile(self.model, backend="eagle31",
                                                 options={**options, "calibration_cache": self.cache})
@@ -156,7 +159,8 @@ class Runner:
             if "hf" in last:
                 entry["equal_to_hf"] = bool(torch.equal(seq, last["hf"][0]))
             if stats is not None:
-                entry.update(tau=stats.tau, cycles=stats.cycles, prefill_s=stats.prefill_time)
+                entry.update(tau=stats.tau, cycles=stats.cycles, prefill_s=stats.prefill_time,
+                             copied=stats.copied_tokens, copied_outside_draft_vocab=stats.copied_outside_draft_vocab)
                 if stats.calibration is not None:
                     entry["policy"] = stats.calibration["policy"]
                     entry["head_alpha"] = stats.calibration["head_alpha"]
@@ -247,7 +251,7 @@ def markdown(summary: dict, meta: dict) -> str:
         for g, s in groups.items():
             row = [g] + [f"{s[n]['vs_plain']:.3f}x" for n in names if n != "plain"] + [f"{s['plain']['s']:.1f}"]
             row += [f"{s[n]['tau']:.2f}" for n in names if s[n]["tau"] is not None]
-            first = next(n for n in names if n not in ("plain", "hf"))
+            first = next((n for n in names if s[n]["chosen"]), next(n for n in names if n not in ("plain", "hf")))
             row.append(", ".join(f"{k} {v}" for k, v in sorted(s[first]["chosen"].items())) +
                        f"; probes {s[first]['probes']}")
             rows.append(row)
@@ -295,11 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(sections) - set(SECTIONS)
     if unknown:
         raise SystemExit(f"--sections: unknown {sorted(unknown)}; valid: {SECTIONS}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    log = args.out / "calibration.records.jsonl"
-    if args.fresh and log.exists():
-        log.unlink()
-    done = {(r["section"], r["case"]) for r in read_jsonl(log)} if log.exists() else set()
+    log, done = resumable_log(args.out, "calibration.records.jsonl", args.fresh)
     model, tokenizer = eagle_compile.load_default_target()
     head, info = load_head(model, None)
     from eagle_compile.draft.config import DraftConfig

@@ -97,6 +97,16 @@ def append_jsonl(path: Path, record: dict) -> None:
         os.fsync(f.fileno())
 
 
+def resumable_log(out: Path, name: str, fresh: bool) -> tuple[Path, set[tuple[str, str]]]:
+    """The records file `out/name` of a resumable benchmark (removed first when `fresh`) and the (section, case)
+    pairs it already holds, which a rerun skips."""
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / name
+    if fresh and log.exists():
+        log.unlink()
+    return log, {(r["section"], r["case"]) for r in read_jsonl(log)}
+
+
 def read_jsonl(path: Path) -> list[dict]:
     """Records of a jsonl file; a truncated last line (an interrupted write) is ignored."""
     if not path.is_file():

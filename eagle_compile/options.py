@@ -19,6 +19,7 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 #: the official EAGLE tree (used when no tree key is given and no tree.json beside the head fits the target)
 EAGLE_TREE = {"depth": 7, "top_k": 10, "total_tokens": 60}
 TREE_KEYS = ("depth", "top_k", "total_tokens", "chain")
+DEFAULT_COPY = 0      # copy-branch nodes with calibration when `copy` is not given (docs/BENCHMARKS.md)
 _INNER = ("auto", "eager", "inductor")
 _KERNELS = ("auto", "on", "off")
 _CALIBRATE = ("auto", "on", "off")
@@ -72,6 +73,13 @@ class EagleOptions:
     depth, the RMS of the fed-back hidden state relative to depth 1, the attention mass on the first positions
     and on draft-generated positions, and the draft's top-1 probability (`draft/drift.py`), into the
     statistics' `drift`; off by default (docs/BENCHMARKS.md has what it costs).
+
+    `copy` (EAGLE 3.1's copy branch for rare tokens, `draft/lookup.py`): the tokens that followed the latest
+    earlier occurrence of a row's last 1..`copy_ngram` tokens (prompt and output so far) are proposed as `copy`
+    extra tree nodes, a chain from the root, and verified like every other node: copied spans may hold tokens
+    outside the draft vocabulary and run deeper than the draft. With a fixed tree the branch is merged into it;
+    with calibration the menu gains a copy-only program (no draft levels), weighed each cycle only for rows whose
+    lookup found a match. None (default): `DEFAULT_COPY` with calibration, 0 with a fixed tree.
     """
 
     draft: Any = None
@@ -93,6 +101,8 @@ class EagleOptions:
     calibrate: str = "auto"
     calibration_cache: str | None = None
     drift_monitors: bool = False
+    copy: int | None = None
+    copy_ngram: int = 3
 
     def __post_init__(self) -> None:
         for key in TREE_KEYS:
@@ -132,6 +142,15 @@ class EagleOptions:
                 raise OptionsError(f"{flag}={getattr(self, flag)!r}: expected True or False")
         if self.max_cache_len is not None:
             _check_positive_int("max_cache_len", self.max_cache_len)
+        if self.copy is not None and (not isinstance(self.copy, int) or isinstance(self.copy, bool)
+                                      or self.copy < 0):
+            raise OptionsError(f"copy={self.copy!r}: the copy branch's length, an int >= 0 (0: no copy branch; "
+                               "None: the default)")
+        _check_positive_int("copy_ngram", self.copy_ngram)
+        if self.copy and (self.step_program or self.cudagraphs):
+            raise OptionsError(f"copy={self.copy} runs in the host-loop step only (the step passes do not match "
+                               "a tree with a copy branch yet); use step_program=False and cudagraphs=False, "
+                               "or copy=0")
 
     # -- derived tree shape ------------------------------------------------------------------------------
     @property
@@ -150,6 +169,18 @@ class EagleOptions:
     @property
     def tree_tokens(self) -> int:
         return self.chain + 1 if self.chain is not None else _or(self.total_tokens, "total_tokens")
+
+    @property
+    def copy_length(self) -> int:
+        """Copy-branch nodes of a fixed tree (calibration: `calibrated_copy`)."""
+        return self.copy or 0
+
+    @property
+    def calibrated_copy(self) -> int:
+        """Copy-branch nodes of the calibration menu's copy-only program (0: none)."""
+        if self.copy is None:           # the default, where the copy branch runs (the host-loop step)
+            return 0 if self.step_program or self.cudagraphs else DEFAULT_COPY
+        return self.copy
 
     def replace(self, **changes: Any) -> EagleOptions:
         return parse_options({**self.as_dict(), **changes})
@@ -191,4 +222,4 @@ def _check_positive_int(name: str, value: Any) -> None:
         raise OptionsError(f"{name}={value!r}: expected a positive int")
 
 
-__all__ = ["EagleOptions", "parse_options", "VALID_KEYS", "DEFAULT_BUCKETS", "EAGLE_TREE", "TREE_KEYS"]
+__all__ = ["EagleOptions", "parse_options", "VALID_KEYS", "DEFAULT_BUCKETS", "EAGLE_TREE", "TREE_KEYS", "DEFAULT_COPY"]

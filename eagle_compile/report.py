@@ -31,6 +31,9 @@ def explain(compiled, *, file=None) -> str:
         if dec.speculate:
             what = (f"tree depth={dec.shape.depth} top_k={dec.shape.top_k} total_tokens={dec.shape.total_tokens} "
                     f"(from {dec.tree_source})")
+            if dec.lookup is not None:
+                what += (f"; copy branch of {dec.lookup.length} nodes (prompt lookup, n-grams "
+                         f"{dec.lookup.min_ngram}..{dec.lookup.max_ngram})")
         else:
             what = "plain decoding (speculate=False): one target forward per token, no draft"
         lines.append(f"[decoder {i}] {what}; capture indices {list(dec.capture_indices)}; "

@@ -157,7 +157,7 @@ def rotate_programs(monkeypatch, order: list[int] | None = None) -> None:
 
     count = [0]
 
-    def decide(self, costs, est, active):
+    def decide(self, costs, est, active, matched=None):
         picks = order if order is not None else list(range(len(self.menu)))
         entry = self.menu[picks[count[0] % len(picks)]]
         count[0] += 1

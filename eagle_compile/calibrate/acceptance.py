@@ -66,11 +66,13 @@ class AcceptanceEstimates:
         changes slowly with depth), and a tree's depth with few observations on the chains' estimate at that
         depth (a tree holds more candidates than the chain), so an unexplored program is predicted from what
         was seen, not from a constant: an oracle's first chain cycles make deeper programs look as good as they
-        are, a useless head's make every program look useless."""
+        are, a useless head's make every program look useless. Copy families (`menu.copy_family`, "@" in the
+        name) owe nothing to the draft: they start from `prior`."""
         key = ("head", family)
         if key in self._cache:
             return self._cache[key]
-        chain = self.head_alpha("chain").tolist() if family != "chain" and "chain" in self.families else None
+        borrows = family != "chain" and "chain" in self.families and "@" not in family   # copies: not the draft's
+        chain = self.head_alpha("chain").tolist() if borrows else None
         reached, passed = self.head_reached[family].tolist(), self.head_passed[family].tolist()
         out, above = [], self.prior
         for d in range(len(reached)):                       # host floats: a handful of depths
@@ -79,6 +81,10 @@ class AcceptanceEstimates:
             out.append(above)
         self._cache[key] = torch.tensor(out, dtype=torch.float64)
         return self._cache[key]
+
+    def observed(self, family: str) -> float:
+        """Discounted head-wide cycles of `family` so far (its first depth's count)."""
+        return float(self.head_reached[family][0])
 
     def expected_tokens(self, family: str, depth: int) -> torch.Tensor:
         """[rows] E[tokens per cycle] of a program of `depth` draft levels in `family`."""

@@ -98,9 +98,12 @@ class CostTable:
     source: str = "measured"
 
     def relative(self) -> dict[str, float]:
-        """Each program's cycle in units of the plain step."""
+        """Each program's cycle in units of the plain step. A speculative cycle is never taken as cheaper than
+        a plain step plus one draft level (it runs a target forward of at least one token and at least the
+        draft's catch-up), whatever a noisy measurement said."""
         plain = self.cycle["plain"]
-        return {name: t / plain for name, t in self.cycle.items()}
+        floor = 1.0 + (self.draft_level / plain if self.draft_level else 0.0)
+        return {name: t / plain if name == "plain" else max(t / plain, floor) for name, t in self.cycle.items()}
 
     def describe(self) -> str:
         rel = ", ".join(f"{name} {r:.2f}" for name, r in self.relative().items())

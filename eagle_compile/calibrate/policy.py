@@ -13,10 +13,16 @@ D * alpha_1 is next to nothing); the others are masked (static shapes) and emit 
 probes.
 
 Hysteresis, so the choice does not flap on noise: the running program is replaced only by one whose rate is
-`margin` higher. Fallback: when the plain step wins, the batch decodes plainly; after `backoff` plain cycles it
+`margin` higher, and a speculative program runs only while its rate is `margin` above the plain step's (a gain
+inside the margin is inside the costs' noise). Fallback: when the plain step wins, the batch decodes plainly; after `backoff` plain cycles it
 probes (one cycle of the best speculative program, to refresh the estimates that plain cycles cannot update);
 a probe that does not win back doubles the backoff (up to `max_backoff`), one that does resets it. Rows in
 fallback inside a speculative batch probe the same way, each on its own schedule.
+
+The copy branch (prompt lookup, `draft/lookup.py`) is known before the cycle: a copy-only program gains only
+on rows whose lookup matched, estimated per match length (`menu.copy_family`; each length is tried `explore`
+times first, since nothing else predicts it), and it is weighed even in fallback: a cycle whose matches make it
+beat the plain step by the margin runs it (the draft's worth is unknown there, the matches are not).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from eagle_compile.calibrate.acceptance import AcceptanceEstimates
-from eagle_compile.calibrate.menu import PLAIN, MenuEntry
+from eagle_compile.calibrate.menu import PLAIN, MenuEntry, copy_family
 
 
 @dataclass
@@ -47,21 +53,25 @@ class PolicyStats:
     row_fallback_cycles: int = 0                       # row-cycles masked to plain inside a speculative program
     switches: int = 0                                  # changes of program between consecutive cycles
     fallbacks: int = 0                                 # entries into batch fallback
+    fallback_copies: int = 0                           # copy-branch cycles run while in fallback (a match won)
+    explorations: int = 0                              # copy cycles run to learn a match length's acceptance
 
     def as_dict(self) -> dict:
         return {"chosen": dict(self.chosen), "plain_cycles": self.plain_cycles, "probes": self.probes,
                 "row_probes": self.row_probes, "row_fallback_cycles": self.row_fallback_cycles,
-                "switches": self.switches, "fallbacks": self.fallbacks}
+                "switches": self.switches, "fallbacks": self.fallbacks, "fallback_copies": self.fallback_copies,
+                "explorations": self.explorations}
 
 
 class CalibrationPolicy:
     def __init__(self, menu: tuple[MenuEntry, ...], *, margin: float = 0.05, row_min_accept: float = 0.08,
-                 min_backoff: int = 4, max_backoff: int = 128) -> None:
+                 min_backoff: int = 4, max_backoff: int = 128, explore: float = 1.5) -> None:
         if menu[0].shape is not None:
             raise ValueError("the menu's first entry must be the plain step")
         self.menu = menu
         self.margin, self.row_min_accept = margin, row_min_accept
         self.min_backoff, self.max_backoff = min_backoff, max_backoff
+        self.explore = explore          # discounted copy cycles a match length needs (1.5: two) first
         self.reset(0)
 
     def reset(self, rows: int) -> None:
@@ -77,26 +87,49 @@ class CalibrationPolicy:
 
     # -- the rule ---------------------------------------------------------------------------------------------
     def rates(self, costs: dict[str, float], est: AcceptanceEstimates, active: torch.Tensor,
-              drafting: torch.Tensor) -> dict[str, float]:
+              drafting: torch.Tensor, matched: torch.Tensor | None = None,
+              entries: list[MenuEntry] | None = None) -> dict[str, float]:
+        """Expected tokens per plain-step time of the plain step and of `entries` (default: the whole menu's
+        speculative programs). A copy-only program gains only on rows whose lookup found a match (`matched`;
+        None: every row)."""
         rows = float(active.sum())
         out = {PLAIN: rows / costs[PLAIN]}
         live = active & drafting
-        for e in self.menu[1:]:
-            gain = float(torch.where(live, est.expected_tokens(e.family, e.depth) - 1.0, 0.0).sum())
+        for e in self.menu[1:] if entries is None else entries:
+            gain = float(torch.where(live, self._expected(est, e, matched) - 1.0, 0.0).sum())
             out[e.name] = (rows + gain) / costs[e.name]          # rows not drafting count E = 1
         return out
 
-    def decide(self, costs: dict[str, float], est: AcceptanceEstimates, active: torch.Tensor) -> Decision:
-        """The program for this cycle. costs: {name: cycle time in plain steps}; active: [rows] bool."""
-        if self.in_fallback and self.wait + 1 < self.backoff:      # a plain cycle between probes: nothing to weigh
+    def _expected(self, est: AcceptanceEstimates, entry: MenuEntry, matched: torch.Tensor | None) -> torch.Tensor:
+        """[rows] expected tokens of a cycle of `entry`; a copy-only program's from each row's match length
+        (1 where the lookup found nothing)."""
+        if not entry.copy_only or matched is None:
+            return est.expected_tokens(entry.family, entry.depth)
+        out = torch.ones(matched.shape[0], dtype=torch.float64)
+        for n in sorted(set(matched.tolist()) - {0}):
+            out = torch.where(matched == n, est.expected_tokens(copy_family(entry, n), entry.depth), out)
+        return out
+
+    def decide(self, costs: dict[str, float], est: AcceptanceEstimates, active: torch.Tensor,
+               matched: torch.Tensor | None = None) -> Decision:
+        """The program for this cycle. costs: {name: cycle time in plain steps}; active: [rows] bool;
+        matched: [rows] the n-gram length each row's copy-branch lookup matched this cycle (0: none; None: no
+        lookup)."""
+        explore = self._copy_to_explore(est, active, matched)
+        if explore is not None:
+            return explore
+        if self.in_fallback and self.wait + 1 < self.backoff:      # between probes: only a copy match is weighed
             self.wait += 1
+            copy = self._copy_in_fallback(costs, est, active, matched)
+            if copy is not None:
+                return copy
             self._book(self.menu[0], False)
             return Decision(entry=self.menu[0], drafting=torch.zeros_like(active), probe=False, rates={})
         by_name = {e.name: e for e in self.menu}
         spec = list(self.menu[1:])
-        best_spec = max(spec, key=lambda e: self._row_free_rate(costs, est, active, e))
+        best_spec = max(spec, key=lambda e: self._row_free_rate(costs, est, active, e, matched))
         drafting = self._rows_drafting(est, best_spec, active)
-        rates = self.rates(costs, est, active, drafting)
+        rates = self.rates(costs, est, active, drafting, matched)
         best = max(self.menu, key=lambda e: rates[e.name])
         probe = False
         if self.in_fallback:
@@ -112,6 +145,8 @@ class CalibrationPolicy:
                 chosen = best
             else:
                 chosen = cur
+            if chosen.shape is not None and rates[chosen.name] <= rates[PLAIN] * (1 + self.margin):
+                chosen = by_name[PLAIN]           # speculation must beat the plain step by the margin to run
             if chosen.shape is None:
                 self.in_fallback, self.wait = True, 0
                 self.stats.fallbacks += 1
@@ -120,10 +155,11 @@ class CalibrationPolicy:
         self._book(chosen, probe and self.in_fallback)
         return Decision(entry=chosen, drafting=drafting & active, probe=probe, rates=rates)
 
-    def after_probe(self, costs: dict[str, float], est: AcceptanceEstimates, active: torch.Tensor) -> None:
+    def after_probe(self, costs: dict[str, float], est: AcceptanceEstimates, active: torch.Tensor,
+                    matched: torch.Tensor | None = None) -> None:
         """After a batch probe's outcome was recorded: leave fallback if a speculative program now wins by the
         margin, else back off further."""
-        rates = self.rates(costs, est, active, torch.ones_like(active))
+        rates = self.rates(costs, est, active, torch.ones_like(active), matched)
         best = max(self.menu[1:], key=lambda e: rates[e.name])
         if rates[best.name] > rates[PLAIN] * (1 + self.margin):
             self.in_fallback, self.backoff, self.current = False, self.min_backoff, best
@@ -132,13 +168,47 @@ class CalibrationPolicy:
             self.wait = 0
 
     # -- parts ------------------------------------------------------------------------------------------------
-    def _row_free_rate(self, costs, est, active, entry: MenuEntry) -> float:
-        gain = est.expected_tokens(entry.family, entry.depth)
+    def _row_free_rate(self, costs, est, active, entry: MenuEntry, matched=None) -> float:
+        gain = self._expected(est, entry, matched)
         return float(torch.where(active, gain, 0.0).sum()) / costs[entry.name]
 
+    def _copy_to_explore(self, est, active, matched) -> Decision | None:
+        """A copy-only program for a cycle where some row matched an n-gram length whose copies were tried fewer
+        than `explore` times: its estimate must come from copies, since nothing else predicts it."""
+        if matched is None:
+            return None
+        for e in self.menu[1:]:
+            if not e.copy_only:
+                continue
+            fresh = [n for n in set(matched[active].tolist()) - {0} if est.observed(copy_family(e, n)) < self.explore]
+            if fresh:
+                self.stats.chosen[e.name] += 1
+                self.stats.explorations += 1
+                return Decision(entry=e, drafting=active & (matched > 0), probe=False, rates={})
+        return None
+
+    def _copy_in_fallback(self, costs, est, active, matched) -> Decision | None:
+        """In fallback, a copy-only program still runs for a cycle whose matches make it beat the plain step by
+        the margin (the lookup's matches are known before the cycle; the draft's worth is not)."""
+        copies = [e for e in self.menu[1:] if e.copy_only]
+        if not copies or matched is None or not bool(((matched > 0) & active).any()):
+            return None
+        rates = self.rates(costs, est, active, torch.ones_like(active), matched, copies)
+        best = max(copies, key=lambda e: rates[e.name])
+        if rates[best.name] <= rates[PLAIN] * (1 + self.margin):
+            return None
+        self.stats.chosen[best.name] += 1
+        self.stats.fallback_copies += 1
+        return Decision(entry=best, drafting=active & (matched > 0), probe=False, rates=rates)
+
     def _rows_drafting(self, est: AcceptanceEstimates, entry: MenuEntry, active: torch.Tensor) -> torch.Tensor:
-        """Rows whose first draft token is accepted often enough; the others fall back (masked)."""
-        now_plain = est.alpha(entry.family)[:, 0] < self.row_min_accept
+        """Rows whose first draft token is accepted often enough; the others fall back (masked). A copy-only
+        program masks nothing here: its rows are the ones whose lookup matched."""
+        if entry.copy_only:
+            return torch.ones_like(active)
+        # a masked row stays masked until its probe (`_row_probes` releases it for one re-check): the others'
+        # successes move its shrunk estimate, its own cycles do not, so without this it would flap at the edge
+        now_plain = (est.alpha(entry.family)[:, 0] < self.row_min_accept) | self.row_plain
         entering = now_plain & ~self.row_plain
         self.row_wait = torch.where(entering, 0, self.row_wait)
         self.row_backoff = torch.where(~now_plain, self.min_backoff, self.row_backoff)
@@ -154,6 +224,7 @@ class CalibrationPolicy:
             self.stats.row_fallback_cycles += int(masked.sum())
             return False
         drafting |= due
+        self.row_plain &= ~due                    # re-checked against its estimate after this probe
         self.row_wait = torch.where(due, 0, self.row_wait)
         self.row_backoff = torch.where(due, (2 * self.row_backoff).clamp(max=self.max_backoff), self.row_backoff)
         self.stats.row_probes += int(due.sum())

@@ -58,6 +58,10 @@ class EagleDrafter:
     def draft_vocab_size(self) -> int:
         return self.model.config.draft_vocab_size
 
+    def target_vocab(self) -> torch.Tensor:
+        """The target ids this head can propose: its draft vocabulary through d2t."""
+        return self.model.draft_to_target(torch.arange(self.draft_vocab_size, device=self.model.d2t.device))
+
     def new_state(self, batch: int, slots: int, *, dtype: torch.dtype, device: torch.device):
         return self.model.new_kv(batch, slots, dtype=dtype, device=device)
 

@@ -35,7 +35,7 @@ from eagle_compile.calibrate.costs import (
     target_fingerprint,
     verify_call,
 )
-from eagle_compile.calibrate.menu import MenuEntry, families
+from eagle_compile.calibrate.menu import MenuEntry, copy_family, families
 from eagle_compile.calibrate.policy import CalibrationPolicy
 from eagle_compile.core.masks import SlotMask
 from eagle_compile.core.verify import draw_uniforms
@@ -59,7 +59,7 @@ class Calibration:
         self.menu = menu
         self.cache = cache
         self.settings = settings or CalibrationSettings()
-        self.estimates = AcceptanceEstimates(families(menu), rows=0)
+        self.estimates = AcceptanceEstimates(families(menu, decoder.options.copy_ngram), rows=0)
         self.confidence = ConfidenceMap()
         self.policy = CalibrationPolicy(menu)
         self.tables: dict[CostKey, CostTable] = {}     # cost tables in use by this decoder (for explain)
@@ -117,11 +117,12 @@ class Calibration:
                           seed_feedback=state.seed_feedback.clone(), seed_head=state.seed_head.clone(),
                           active=torch.ones_like(state.active),
                           drafting=torch.ones_like(state.active), floor=torch.full((batch,), -torch.inf,
-                                                                                   device=device))
+                                                                                   device=device),
+                          copy=None if state.copy is None else torch.zeros_like(state.copy))   # every node valid
             scratch[e.name] = s
             step = d.step_for(sampling, e)
-            depth, top_k = (e.shape.depth, e.shape.top_k) if e.shape is not None else (0, 0)
-            uniforms, final = draw_uniforms(batch, depth, top_k, device=device)
+            depth, width = (e.shape.span, e.shape.width) if e.shape is not None else (0, 0)
+            uniforms, final = draw_uniforms(batch, depth, width, device=device)
 
             def call(step=step, s=s, n0=context + 1, u=uniforms, f=final):
                 s.n.fill_(n0)
@@ -172,37 +173,49 @@ class Calibration:
 
     # -- per cycle --------------------------------------------------------------------------------------------
     def cycle(self, state: StepState, cache, draft_kv, sampling, generator, active: torch.Tensor,
-              longest: int) -> tuple[list[int], list[list[int]], MenuEntry]:
-        """Run one cycle; returns (accepted lengths, emitted tokens per row, the program run)."""
+              longest: int, matched: torch.Tensor | None = None
+              ) -> tuple[list[int], list[list[int]], list[int] | None, MenuEntry]:
+        """Run one cycle; returns (accepted lengths, emitted tokens per row, tokens accepted from the copy branch
+        per row or None, the program run). `matched` [B]: the n-gram length each row's copy-branch lookup matched
+        (0: none; None: no copy branch)."""
         d = self.decoder
         self.ensure_costs(longest, state, cache, draft_kv, sampling)
-        decision = self.policy.decide(self._costs, self.estimates, active)
+        decision = self.policy.decide(self._costs, self.estimates, active, matched)
         entry = decision.entry
         if entry.shape is None:
             out = self._plain(state, cache, draft_kv, sampling, generator, active)
             packed = out.tokens
             read = packed.tolist()                        # the one host read of the cycle
-            return [0] * len(read), read, entry
+            return [0] * len(read), read, None, entry
         self.resync(state, draft_kv, cache.slots)
         state.drafting.copy_(decision.drafting.to(state.drafting.device))
         state.floor.fill_(self.confidence.floor(self.settings.min_accept))
-        uniforms, final = draw_uniforms(state.n.shape[0], entry.shape.depth, entry.shape.top_k,
-                                        generator=generator, device=state.n.device)
+        shape = entry.shape
+        uniforms, final = draw_uniforms(state.n.shape[0], shape.span, shape.width, generator=generator,
+                                        device=state.n.device)
         state.active.copy_(active)
         out = d.step_for(sampling, entry)(state, cache, draft_kv, uniforms, final)
         conf = (out.confidence.float().clamp(0, 1) * _CONF_SCALE).round().long()
-        packed = torch.cat([out.accept_len[:, None], out.tokens, conf], 1)
-        read = torch.tensor(packed.tolist(), dtype=torch.long)    # the one host read of the cycle
-        depth = entry.shape.depth
-        accept_len, tokens, conf = read[:, 0], read[:, 1:depth + 2], read[:, depth + 2:].double() / _CONF_SCALE
+        parts = [out.accept_len[:, None], out.tokens, conf] + ([out.copied[:, None]] if shape.copy else [])
+        read = torch.tensor(torch.cat(parts, 1).tolist(), dtype=torch.long)    # the one host read of the cycle
+        span, depth = shape.span, shape.depth
+        accept_len, tokens = read[:, 0], read[:, 1:span + 2]
+        conf = read[:, span + 2:span + 2 + depth].double() / _CONF_SCALE
+        copied = read[:, -1].tolist() if shape.copy else None
         ran = active & decision.drafting
         if self.drift is not None and out.drift is not None:
             self.drift.add(out.drift, ran)
-        self.estimates.update(entry.family, depth, accept_len, ran)
-        self.confidence.update(conf, accept_len, depth, ran)
+        if entry.copy_only and matched is not None:    # per match length; rows with no match say nothing
+            for n in sorted(set(matched[ran].tolist()) - {0}):
+                self.estimates.update(copy_family(entry, n), entry.depth, accept_len, ran & (matched == n))
+        else:
+            self.estimates.update(entry.family, entry.depth, accept_len, ran)
+        if depth:                                  # the map is the draft's: leave out paths the copy branch won
+            drafted = ran if copied is None else ran & (read[:, -1] == 0)
+            self.confidence.update(conf, accept_len.clamp(max=depth), depth, drafted)
         if decision.probe and self.policy.in_fallback:
-            self.policy.after_probe(self._costs, self.estimates, active)
-        return accept_len.tolist(), tokens.tolist(), entry
+            self.policy.after_probe(self._costs, self.estimates, active, matched)
+        return accept_len.tolist(), tokens.tolist(), copied, entry
 
     def _plain(self, state, cache, draft_kv, sampling, generator, active):
         d = self.decoder

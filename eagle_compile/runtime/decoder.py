@@ -12,7 +12,9 @@ pairs (feature at p, token p+1) for p = 0..n-2 (EAGLE31_SPEC.md §4.1). One cycl
     n += a + 1
 
 With `speculate=False` a cycle is one plain step (`runtime/plain_step.py`) and nothing of the draft runs.
-The host reads only `accept_len` and the emitted tokens once per cycle (to apply stops).
+The host reads only `accept_len` and the emitted tokens once per cycle (to apply stops). With a copy branch
+(`draft/lookup.py`) the host also looks each row's last tokens up in its own history before the cycle (from
+the tokens that read brought back) and hands the proposals to the step in `StepState.copy`.
 
 Prefill (`_prefill`) covers the longest prompt with chunks from a small menu of static sizes (`prefill_plan.py`),
 each one causal block over the live slots; the draft's catch-up over the prompt runs per chunk, as a block of
@@ -37,6 +39,7 @@ from eagle_compile.core.tree import TreeShape
 from eagle_compile.core.verify import draw_uniforms
 from eagle_compile.draft.drafter import Drafter
 from eagle_compile.draft.drift import DriftTotals
+from eagle_compile.draft.lookup import PromptLookup
 from eagle_compile.lowering import lowering_for
 from eagle_compile.options import EagleOptions
 from eagle_compile.runtime.calibration import Calibration
@@ -86,6 +89,9 @@ class SpeculativeDecoder:
                             if menu is not None and self.speculate else None)
         self.shapes = ([e.shape for e in menu if e.shape is not None] if self.calibration is not None
                        else [self.shape])
+        copy = max(s.copy for s in self.shapes) if self.speculate else 0
+        self.lookup = PromptLookup(copy, options.copy_ngram) if copy else None
+        self._draft_vocab: set[int] | None = None
 
     def _step(self, sampling: SamplingParams) -> SpeculativeStep | StepProgram | PlainStep:
         if sampling not in self._steps:
@@ -119,7 +125,7 @@ class SpeculativeDecoder:
         """Cache slots past the root's that one cycle of `shape` may write (None: a plain step)."""
         if shape is None:
             return 1
-        return max(shape.total_tokens, shape.tree_slots + 1, shape.depth + 1)
+        return max(shape.nodes, shape.tree_slots + 1, shape.span + 1)
 
     @property
     def graphs_captured(self) -> int:
@@ -154,6 +160,9 @@ class SpeculativeDecoder:
         if graphed:
             state = buffers.hold(state)
         active &= torch.tensor([not f for f in stopper.finished] + [False] * (batch - real))
+        if self.lookup is not None:
+            self.lookup.begin([p.tolist() for p in prompts])
+            state.copy = torch.full((batch, self.lookup.length), -1, dtype=torch.long, device=device)
         if self.calibration is not None:
             measured_before = self.calibration.measured_seconds
             self.calibration.begin(batch)
@@ -182,11 +191,13 @@ class SpeculativeDecoder:
     def _tree_stats(self) -> dict:
         if not self.speculate:
             return {"speculate": False}
+        copy = {} if self.lookup is None else {"copy": self.lookup.length}
         if self.calibration is not None:
             return {"adaptive": [e.name for e in self.calibration.menu], "source": self.calibration_reason,
-                    "depth": self.shape.depth, "top_k": self.shape.top_k, "total_tokens": self.shape.total_tokens}
+                    "depth": self.shape.depth, "top_k": self.shape.top_k, "total_tokens": self.shape.total_tokens,
+                    **copy}
         return {"depth": self.shape.depth, "top_k": self.shape.top_k, "total_tokens": self.shape.total_tokens,
-                "source": self.tree_source, "fixed": self.calibration_reason}
+                "source": self.tree_source, "fixed": self.calibration_reason, **copy}
 
     # -- setup -----------------------------------------------------------------------------------------------
     def _caches(self, batch: int, slots: int, device) -> tuple[SlotKVCache, object]:
@@ -215,8 +226,8 @@ class SpeculativeDecoder:
         key = (batch, slots)
         if key not in self._bucket_buffers:
             cache, draft_kv = self._caches(batch, slots, device)
-            depth, top_k = (self.shape.depth, self.shape.top_k) if self.speculate else (0, 0)
-            uniforms, final = draw_uniforms(batch, depth, top_k, device=device)
+            depth, width = (self.shape.span, self.shape.width) if self.speculate else (0, 0)
+            uniforms, final = draw_uniforms(batch, depth, width, device=device)
             self._bucket_buffers[key] = BucketBuffers(None, cache, draft_kv, uniforms, final)
         return self._bucket_buffers[key]
 
@@ -290,28 +301,69 @@ class SpeculativeDecoder:
     # -- one cycle -------------------------------------------------------------------------------------------
     def _cycle(self, state: StepState, cache, draft_kv, sampling, generator, stopper, active, stats, buffers):
         t0 = time.perf_counter()
-        depth, top_k = (self.shape.depth, self.shape.top_k) if self.speculate else (0, 0)
-        uniforms, final_uniform = draw_uniforms(state.n.shape[0], depth, top_k, generator=generator,
+        depth, width = (self.shape.span, self.shape.width) if self.speculate else (0, 0)
+        uniforms, final_uniform = draw_uniforms(state.n.shape[0], depth, width, generator=generator,
                                                 device=state.n.device)
         state.active.copy_(active)
+        if self.lookup is not None:
+            self.fill_copy(state, stopper, active)
         if buffers is not None:
             out = self._steps[("graphed", sampling)](buffers, uniforms, final_uniform)
         else:
             out = self._step(sampling)(state, cache, draft_kv, uniforms, final_uniform)
         if self.drift is not None and out.drift is not None:
             self.drift.add(out.drift, active)
-        accept_len = out.accept_len.tolist()          # the one host read of the cycle
-        emitted = out.tokens.tolist()
+        parts = [out.accept_len[:, None], out.tokens] + ([] if out.copied is None else [out.copied[:, None]])
+        read = torch.cat(parts, 1).tolist()           # the one host read of the cycle
+        accept_len = [r[0] for r in read]
+        emitted = [r[1:depth + 2] for r in read]
+        copied = None if out.copied is None else [r[-1] for r in read]
         stats.step_time += time.perf_counter() - t0
-        _emit(accept_len, emitted, stopper, active, stats)
+        self._emit(accept_len, emitted, stopper, active, stats, copied)
 
     def _calibrated_cycle(self, state, cache, draft_kv, sampling, generator, stopper, active, stats, lengths):
         t0 = time.perf_counter()
         longest = max(lengths[b] + len(g) for b, g in enumerate(stopper.generated) if bool(active[b]))
-        accept_len, emitted, _ = self.calibration.cycle(state, cache, draft_kv, sampling, generator, active,
-                                                        longest)
+        matched = self.fill_copy(state, stopper, active) if self.lookup is not None else None
+        accept_len, emitted, copied, _ = self.calibration.cycle(state, cache, draft_kv, sampling, generator,
+                                                                active, longest, matched)
         stats.step_time += time.perf_counter() - t0
-        _emit(accept_len, emitted, stopper, active, stats)
+        self._emit(accept_len, emitted, stopper, active, stats, copied)
+
+    def fill_copy(self, state: StepState, stopper: StopChecker, active: torch.Tensor) -> torch.Tensor:
+        """The copy branch's proposals for this cycle into `state.copy`; returns [B] the length of the n-gram
+        each row matched (0: no proposal)."""
+        batch = state.n.shape[0]
+        generated = stopper.generated + [[]] * (batch - len(stopper.generated))
+        proposals, ngram = self.lookup.proposals(generated, active.tolist())
+        state.copy.copy_(torch.tensor(proposals, dtype=torch.long))
+        return torch.tensor(ngram, dtype=torch.long)
+
+    def _emit(self, accept_len: list[int], emitted: list[list[int]], stopper: StopChecker, active: torch.Tensor,
+              stats: GenerationStats, copied: list[int] | None = None) -> None:
+        """Hand each active row its accepted tokens and bonus token; rows the stop checker ends go inactive.
+        Counts the tokens accepted from the copy branch and the emitted tokens outside the draft vocabulary."""
+        vocab = self.draft_vocabulary()
+        for b in range(len(stopper.generated)):
+            if bool(active[b]):
+                block = emitted[b][:accept_len[b] + 1]
+                stats.acceptance_lengths.append(accept_len[b] + 1)
+                if copied is not None:
+                    stats.copied_tokens += copied[b]
+                if vocab is not None:
+                    stats.outside_draft_vocab = (stats.outside_draft_vocab or 0) + sum(t not in vocab for t in block)
+                    if copied is not None:      # a copied run is the block's first copied[b] tokens
+                        stats.copied_outside_draft_vocab = ((stats.copied_outside_draft_vocab or 0)
+                                                            + sum(t not in vocab for t in block[:copied[b]]))
+                if stopper.extend(b, block):
+                    active[b] = False
+        stats.cycles += 1
+
+    def draft_vocabulary(self) -> set[int] | None:
+        """Target ids the draft can propose (None: plain decoding, or a drafter that does not say)."""
+        if self._draft_vocab is None and self.speculate and hasattr(self.drafter, "target_vocab"):
+            self._draft_vocab = set(self.drafter.target_vocab().tolist())
+        return self._draft_vocab
 
     def _sample_one(self, logits: torch.Tensor, sampling: SamplingParams, generator) -> torch.Tensor:
         """The first new token, from the prefill's last logits [B, V] (float32, as HF casts them)."""
@@ -319,17 +371,6 @@ class SpeculativeDecoder:
             return logits.argmax(-1)
         probs = target_probs(logits, sampling)
         return torch.multinomial(probs, 1, generator=generator)[:, 0]
-
-
-def _emit(accept_len: list[int], emitted: list[list[int]], stopper: StopChecker, active: torch.Tensor,
-          stats: GenerationStats) -> None:
-    """Hand each active row its accepted tokens and bonus token; rows the stop checker ends go inactive."""
-    for b in range(len(stopper.generated)):
-        if bool(active[b]):
-            stats.acceptance_lengths.append(accept_len[b] + 1)
-            if stopper.extend(b, emitted[b][:accept_len[b] + 1]):
-                active[b] = False
-    stats.cycles += 1
 
 
 def cache_slots_needed(longest: int, max_new: int, prefill_chunk: int, shape: TreeShape | None,
@@ -343,5 +384,5 @@ def cache_slots_needed(longest: int, max_new: int, prefill_chunk: int, shape: Tr
     # committed <= longest + max_new; a cycle writes M tree slots (target) or (D-1)*K tree slots and D+1
     # catch-up slots (draft) past it; a row that stops mid-cycle may still advance by depth + 1 before it is
     # frozen; +1 sentinel.
-    return max(prefill_span, longest + max_new + shape.depth + 1
-               + max(shape.total_tokens, shape.tree_slots, shape.depth + 1)) + 2
+    return max(prefill_span, longest + max_new + shape.span + 1
+               + max(shape.nodes, shape.tree_slots, shape.span + 1)) + 2

@@ -16,6 +16,7 @@ output attention mask and the statistics.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -181,6 +182,8 @@ def _decoder(model, draft, opts: EagleOptions) -> SpeculativeDecoder:
         drafter, indices = _drafter(model, draft) if draft is not None else (None, None)
         shape, source = _tree_shape(model, draft, opts)
         menu, why = _menu(opts, shape, source)
+        if menu is None and opts.speculate and opts.copy_length:        # a fixed tree: the copy branch joins it
+            shape = dataclasses.replace(shape, copy=opts.copy_length)
         per_model[key] = SpeculativeDecoder(model, drafter, opts, indices, shape, source, menu=menu,
                                             cost_cache=_cost_cache(opts), calibration_reason=why)
     return per_model[key]
@@ -197,7 +200,7 @@ def _menu(opts: EagleOptions, shape: TreeShape, source: str) -> tuple[tuple | No
                       "calibrate='on' adapts around it)")
     if opts.calibrate == "auto" and opts.cudagraphs:
         return None, "fixed tree: cudagraphs=True (the menu's programs are not CUDA-graphed yet)"
-    menu = default_menu(shape)
+    menu = default_menu(shape, copy=opts.calibrated_copy)
     return menu, (f"adaptive (calibrate={opts.calibrate!r}): menu {[e.name for e in menu]}, "
                   f"largest tree from {source}")
 

@@ -30,6 +30,9 @@ class GenerationStats:
     calibration: dict | None = None                   # menu, choices, fallback, estimates, costs (adaptive only)
     calibration_time: float = 0.0                     # seconds spent measuring costs in this call
     drift: dict | None = None                         # drift monitors per depth (options drift_monitors=True)
+    copied_tokens: int = 0                            # accepted tokens proposed by the copy branch
+    outside_draft_vocab: int | None = None            # emitted tokens the draft vocabulary (d2t) cannot propose
+    copied_outside_draft_vocab: int | None = None     # ... of them accepted from the copy branch (None: unknown)
 
     @property
     def tau(self) -> float:
@@ -46,4 +49,6 @@ class GenerationStats:
                 "speculate": self.speculate, "lowering": self.lowering, "graphs_captured": self.graphs_captured,
                 "compile_time": self.compile_time, "cuda_graph_replays": self.cuda_graph_replays,
                 "notes": self.notes, "calibration": self.calibration,
-                "calibration_time": self.calibration_time, "drift": self.drift}
+                "calibration_time": self.calibration_time, "drift": self.drift,
+                "copied_tokens": self.copied_tokens, "outside_draft_vocab": self.outside_draft_vocab,
+                "copied_outside_draft_vocab": self.copied_outside_draft_vocab}

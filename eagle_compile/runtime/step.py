@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from eagle_compile.core.masks import SlotMask
-from eagle_compile.core.tree import TreeShape
+from eagle_compile.core.tree import TreeShape, root_tree, with_copy_branch
 from eagle_compile.core.verify import verify_greedy, verify_sample
 from eagle_compile.draft.drafter import Drafter
 from eagle_compile.draft.drift import DriftProbe
@@ -41,6 +41,7 @@ class StepState:
     active: torch.Tensor         # [B] bool: rows still generating (frozen rows keep their n)
     drafting: torch.Tensor | None = None   # [B] bool: rows whose draft nodes may be accepted (calibration)
     floor: torch.Tensor | None = None      # [B] float: nodes with a lower cumulative log-prob are masked
+    copy: torch.Tensor | None = None       # [B, L] copy-branch proposals (draft/lookup.py), -1 = none
 
 
 @dataclass
@@ -50,6 +51,7 @@ class StepOutput:
     confidence: torch.Tensor | None = None   # [B, D] the best cumulative draft probability at each depth
     features: torch.Tensor | None = None     # [B, 1, A*Ht] a plain step's target features (draft re-sync)
     drift: torch.Tensor | None = None        # [B, 4, D] drift monitors (draft/drift.py NAMES), when collected
+    copied: torch.Tensor | None = None       # [B] accepted tokens that came from the copy branch
 
 
 @torch.library.custom_op("eagle31::feature_taps", mutates_args=())
@@ -105,13 +107,22 @@ class SpeculativeStep:
         shape, d_slots = self.shape, cache.slots      # the draft cache has as many slots as the target's
         active = state.active
         t = time.perf_counter() if self.timings is not None else 0.0
-        probe = DriftProbe() if self.drift else None
-        tree = build_tree(self.drafter, draft_kv, state.seed_feedback, state.seed_head, state.root, state.n,
-                          shape, d_slots, active, probe=probe)
+        probe = DriftProbe() if self.drift and shape.depth else None
+        if shape.depth:
+            tree = build_tree(self.drafter, draft_kv, state.seed_feedback, state.seed_head, state.root, state.n,
+                              shape, d_slots, active, probe=probe)
+        else:
+            tree = root_tree(state.root)
+        confidence = depth_confidence(tree)           # the draft's nodes only
+        if shape.copy:
+            if state.copy is None or state.copy.shape[1] != shape.copy:
+                raise ValueError(f"a tree with a copy branch of {shape.copy} nodes needs StepState.copy "
+                                 f"[B, {shape.copy}] (draft/lookup.py fills it before each cycle)")
+            tree = with_copy_branch(tree, state.copy)
         t = self._mark("draft", t)
         base = state.n - 1
         positions = base[:, None] + tree.depth
-        nodes = torch.arange(shape.total_tokens, device=base.device)
+        nodes = torch.arange(shape.nodes, device=base.device)
         if state.drafting is not None:      # calibration: rows in fallback and low-confidence nodes are masked
             keep = state.drafting[:, None] & (tree.scores >= state.floor[:, None])
             tree = dataclasses.replace(tree, valid=tree.valid & (keep | (nodes == 0)))
@@ -120,7 +131,7 @@ class SpeculativeStep:
         logits, feats = self.target_forward(tree.tokens, positions, mask, write, cache)
         t = self._mark("verify", t)
         acc = self._verify(tree, logits.float(), uniforms, final_uniform)
-        identity = torch.arange(shape.depth + 1, device=base.device).expand_as(acc.path)
+        identity = torch.arange(shape.span + 1, device=base.device).expand_as(acc.path)
         cache.compact(base, torch.where(active[:, None], acc.path, identity))   # inactive rows: a no-op move
         t = self._mark("accept", t)
         a = acc.accept_len
@@ -132,8 +143,10 @@ class SpeculativeStep:
         state.root.copy_(acc.tokens.gather(1, a[:, None])[:, 0])
         state.n.copy_(torch.where(state.active, state.n + a + 1, state.n))
         self._mark("draft", t)
-        return StepOutput(accept_len=a, tokens=acc.tokens, confidence=depth_confidence(tree),
-                          drift=None if probe is None else probe.stacked(shape.depth, state.seed_feedback))
+        copied = torch.where(acc.path[:, 1] >= shape.total_tokens, a, 0) if shape.copy else None
+        return StepOutput(accept_len=a, tokens=acc.tokens, confidence=confidence,
+                          drift=None if probe is None else probe.stacked(shape.depth, state.seed_feedback),
+                          copied=copied)
 
     def _verify(self, tree, logits, uniforms, final_uniform):
         if not self.sampling.do_sample:

@@ -112,3 +112,35 @@ def test_a_large_batch_shrinks_speculation():
     big_plain = {**big_batch, "chain1": 2.2}
     p, _, t = _run(half, 80, rows=4, costs=big_plain)
     assert t[-1][0] == "plain" and p.in_fallback
+
+
+COPY_MENU = default_menu(TreeShape(3, 2, 6), copy=8)  # plain, chain1, chain2, chain4, tree3x2x6, copy8
+COPY_COSTS = {"plain": 1.0, "chain1": 1.15, "chain2": 1.25, "chain4": 1.5, "tree3x2x6": 1.6, "copy8": 1.5}
+
+
+def test_copies_run_for_the_match_lengths_that_pay():
+    """A useless draft; copies after a 3-token match are always right (8 tokens), after a 1-token match always
+    wrong. Each match length is explored, then the copy program runs exactly when a 3-token match is there
+    (also while the batch is in fallback), and never when nothing matched."""
+    est = AcceptanceEstimates(families(COPY_MENU, 3), 1)
+    policy = CalibrationPolicy(COPY_MENU)
+    policy.reset(1)
+    active = torch.ones(1, dtype=torch.bool)
+    runs = {0: [], 1: [], 3: []}
+    for cycle in range(300):
+        n = (0, 1, 3)[cycle % 3]
+        matched = torch.tensor([n])
+        d = policy.decide(COPY_COSTS, est, active, matched)
+        runs[n].append(d.entry.name)
+        if d.entry.shape is None:
+            continue
+        if d.entry.copy_only:
+            est.update(f"copy8@{n}", 8, torch.tensor([8 if n == 3 else 0]), d.drafting)
+        else:
+            est.update(d.entry.family, d.entry.depth, torch.tensor([0]), d.drafting)
+        if d.probe and policy.in_fallback:
+            policy.after_probe(COPY_COSTS, est, active, matched)
+    assert "copy8" not in runs[0]                                  # nothing to copy: never the copy program
+    assert runs[3][-50:] == ["copy8"] * 50                         # E = 9 tokens for 1.5 plain steps
+    assert runs[1][:2] == ["copy8", "copy8"] and "copy8" not in runs[1][-50:]   # explored, then left alone
+    assert policy.in_fallback and policy.stats.fallback_copies > 50 and policy.stats.explorations == 4

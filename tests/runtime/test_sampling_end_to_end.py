@@ -150,3 +150,17 @@ def test_negative_control_plain_mode_without_the_warpers_is_detected(setup, monk
     monkeypatch.setattr(plain_module, "target_probs", lambda logits, params: torch.softmax(logits, -1))
     counts, _ = _sample(target, head, prompt, speculate=False)
     assert counts[joint == 0].sum() > 100, "the broken step emits tokens top-k / top-p removed"
+
+
+def test_the_distribution_holds_with_a_copy_branch(setup):
+    """The prompt twice: a first token that occurred in it makes the lookup propose what followed it there,
+    a copy branch beside the draft's child at the root, tried after it. Still the target's distribution (the
+    check's power against a broken verifier: test_negative_control_eager_acceptance_is_detected)."""
+    target, head, prompt, _ = setup
+    looped = torch.cat([prompt, prompt], 1)
+    counts, stats = _sample(target, head, looped, depth=1, top_k=1, total_tokens=2, copy=3)
+    assert stats.copied_tokens > 50          # rows whose accepted path went through the copy branch (~2 %)
+    joint = _analytic(target, looped)
+    assert _p_value(counts, joint) > 1e-3
+    assert 0.5 * (counts / ROWS - joint).abs().sum() < 2.0 * (V * V / ROWS) ** 0.5
+
