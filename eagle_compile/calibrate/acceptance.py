@@ -93,13 +93,15 @@ class AcceptanceEstimates:
             self._cache[key] = 1.0 + torch.cumprod(self.alpha(family)[:, :depth], dim=1).sum(dim=1)
         return self._cache[key]
 
-    def update(self, family: str, depth: int, accept_len: torch.Tensor, rows: torch.Tensor) -> None:
+    def update(self, family: str, depth: int | torch.Tensor, accept_len: torch.Tensor, rows: torch.Tensor) -> None:
         """One cycle's outcome. accept_len: [rows] accepted draft tokens; rows: [rows] bool, which rows ran
-        this family's tree this cycle (active and not masked)."""
+        this family's tree this cycle (active and not masked); depth: the deepest node the cycle offered, for
+        all rows or per row ([rows]: a copy branch whose proposal was shorter than the branch)."""
         self._cache.clear()
         d = torch.arange(1, self.families[family] + 1, dtype=torch.float64)
         a = accept_len.to(torch.float64)[:, None]
-        reached = (d <= torch.clamp(a + 1, max=depth)) & rows[:, None]
+        offered = torch.as_tensor(depth, dtype=torch.float64).reshape(-1, 1)
+        reached = (d <= torch.minimum(a + 1, offered)) & rows[:, None]
         passed = (d <= a) & rows[:, None]
         keep = torch.where(rows[:, None], self.decay, 1.0)
         self.reached[family] = self.reached[family] * keep + reached

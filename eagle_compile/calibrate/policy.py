@@ -14,10 +14,11 @@ probes.
 
 Hysteresis, so the choice does not flap on noise: the running program is replaced only by one whose rate is
 `margin` higher, and a speculative program runs only while its rate is `margin` above the plain step's (a gain
-inside the margin is inside the costs' noise). Fallback: when the plain step wins, the batch decodes plainly; after `backoff` plain cycles it
-probes (one cycle of the best speculative program, to refresh the estimates that plain cycles cannot update);
-a probe that does not win back doubles the backoff (up to `max_backoff`), one that does resets it. Rows in
-fallback inside a speculative batch probe the same way, each on its own schedule.
+inside the margin is inside the costs' noise). Fallback: when the plain step wins, the batch decodes plainly;
+after `backoff` plain cycles it probes (one cycle of the best draft program, to refresh the estimates that plain
+cycles cannot update); a probe that does not win back doubles the backoff (up to `max_backoff`), one that does
+resets it. Rows in fallback inside a speculative batch probe the same way, each on its own schedule, and stay
+masked until their probe.
 
 The copy branch (prompt lookup, `draft/lookup.py`) is known before the cycle: a copy-only program gains only
 on rows whose lookup matched, estimated per match length (`menu.copy_family`; each length is tried `explore`
@@ -134,8 +135,9 @@ class CalibrationPolicy:
         probe = False
         if self.in_fallback:
             self.wait += 1
-            if self.wait >= self.backoff:             # probe the best speculative program once
-                chosen, probe = max(spec, key=lambda e: rates[e.name]), True
+            if self.wait >= self.backoff:             # probe the best draft program once (copies need no probe)
+                drafts = [e for e in spec if not e.copy_only] or spec
+                chosen, probe = max(drafts, key=lambda e: rates[e.name]), True
                 drafting = active.clone()
             else:
                 chosen = by_name[PLAIN]
@@ -150,7 +152,9 @@ class CalibrationPolicy:
             if chosen.shape is None:
                 self.in_fallback, self.wait = True, 0
                 self.stats.fallbacks += 1
-        if chosen.shape is not None and not probe:
+        if chosen.copy_only:                          # its rows are the ones whose lookup matched
+            drafting = active & (matched > 0) if matched is not None else active.clone()
+        elif chosen.shape is not None and not probe:
             probe = self._row_probes(drafting, active)
         self._book(chosen, probe and self.in_fallback)
         return Decision(entry=chosen, drafting=drafting & active, probe=probe, rates=rates)

@@ -59,6 +59,7 @@ class PromptLookup:
         self.length, self.max_ngram, self.min_ngram = length, max_ngram, min_ngram
         self.rows: list[RowLookup] = []
         self._prompt: list[int] = []
+        self.lengths: list[int] = []       # the last proposals' real lengths (their -1 padding left out)
 
     def begin(self, prompts: list[list[int]]) -> None:
         """A new call: index each row's prompt."""
@@ -72,7 +73,7 @@ class PromptLookup:
         """Each row's proposal ([B][length], -1 padded; inactive rows and rows with no match: all -1) and the
         length of the n-gram it matched (0: none), after indexing the tokens each row generated since the last
         call (`generated[b]` only grows)."""
-        out, ngram = [], []
+        out, ngram, self.lengths = [], [], []
         for row, prompt, gen, on in zip(self.rows, self._prompt, generated, active, strict=True):
             seen = len(row.tokens) - prompt
             if len(gen) > seen:
@@ -80,4 +81,5 @@ class PromptLookup:
             got, n = row.match(self.length) if on else ([], 0)
             out.append(got + [-1] * (self.length - len(got)))
             ngram.append(n if got else 0)
+            self.lengths.append(len(got))
         return out, ngram

@@ -206,8 +206,9 @@ class Calibration:
         if self.drift is not None and out.drift is not None:
             self.drift.add(out.drift, ran)
         if entry.copy_only and matched is not None:    # per match length; rows with no match say nothing
+            offered = torch.tensor(self.decoder.lookup.lengths)     # a proposal may be shorter than the branch
             for n in sorted(set(matched[ran].tolist()) - {0}):
-                self.estimates.update(copy_family(entry, n), entry.depth, accept_len, ran & (matched == n))
+                self.estimates.update(copy_family(entry, n), offered, accept_len, ran & (matched == n))
         else:
             self.estimates.update(entry.family, entry.depth, accept_len, ran)
         if depth:                                  # the map is the draft's: leave out paths the copy branch won

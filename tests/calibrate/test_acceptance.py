@@ -57,3 +57,12 @@ def test_confidence_map_is_refitted_monotone_and_gives_a_floor():
     floor = cmap.floor(0.05)
     assert math.isfinite(floor) and -4.0 < floor < math.log(0.5)
     assert ConfidenceMap().floor(0.0) == -math.inf            # nothing is masked without evidence
+
+
+def test_a_shorter_offer_is_not_counted_as_a_rejection():
+    """A copy branch of 4 nodes whose proposal held 2 tokens, both accepted: depths 3 and 4 were never offered,
+    so they are neither reached nor rejected (per-row `depth`); a full offer of 4 with 2 accepted rejects 3."""
+    est = AcceptanceEstimates({"copy4@2": 4}, rows=2)
+    est.update("copy4@2", torch.tensor([2, 4]), torch.tensor([2, 2]), torch.tensor([True, True]))
+    assert est.reached["copy4@2"].tolist() == [[1, 1, 0, 0], [1, 1, 1, 0]]
+    assert est.passed["copy4@2"].tolist() == [[1, 1, 0, 0], [1, 1, 0, 0]]
