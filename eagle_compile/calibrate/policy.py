@@ -152,8 +152,8 @@ class CalibrationPolicy:
             if chosen.shape is None:
                 self.in_fallback, self.wait = True, 0
                 self.stats.fallbacks += 1
-        if chosen.copy_only:                          # its rows are the ones whose lookup matched
-            drafting = active & (matched > 0) if matched is not None else active.clone()
+        if chosen.copy_only:
+            drafting = _matched_rows(active, matched)
         elif chosen.shape is not None and not probe:
             probe = self._row_probes(drafting, active)
         self._book(chosen, probe and self.in_fallback)
@@ -186,9 +186,8 @@ class CalibrationPolicy:
                 continue
             fresh = [n for n in set(matched[active].tolist()) - {0} if est.observed(copy_family(e, n)) < self.explore]
             if fresh:
-                self.stats.chosen[e.name] += 1
                 self.stats.explorations += 1
-                return Decision(entry=e, drafting=active & (matched > 0), probe=False, rates={})
+                return self._copy_cycle(e, active, matched, {})
         return None
 
     def _copy_in_fallback(self, costs, est, active, matched) -> Decision | None:
@@ -201,9 +200,14 @@ class CalibrationPolicy:
         best = max(copies, key=lambda e: rates[e.name])
         if rates[best.name] <= rates[PLAIN] * (1 + self.margin):
             return None
-        self.stats.chosen[best.name] += 1
         self.stats.fallback_copies += 1
-        return Decision(entry=best, drafting=active & (matched > 0), probe=False, rates=rates)
+        return self._copy_cycle(best, active, matched, rates)
+
+    def _copy_cycle(self, entry: MenuEntry, active, matched, rates) -> Decision:
+        """A copy-only cycle outside the normal rule (exploration, fallback): counted, the current program and
+        the fallback schedule left as they are."""
+        self.stats.chosen[entry.name] += 1
+        return Decision(entry=entry, drafting=_matched_rows(active, matched), probe=False, rates=rates)
 
     def _rows_drafting(self, est: AcceptanceEstimates, entry: MenuEntry, active: torch.Tensor) -> torch.Tensor:
         """Rows whose first draft token is accepted often enough; the others fall back (masked). A copy-only
@@ -245,3 +249,8 @@ class CalibrationPolicy:
             self.stats.probes += 1
         else:
             self.current = chosen
+
+
+def _matched_rows(active: torch.Tensor, matched: torch.Tensor | None) -> torch.Tensor:
+    """The rows a copy-only cycle drafts: those whose lookup matched (every active row when nothing says)."""
+    return active & (matched > 0) if matched is not None else active.clone()
