@@ -1,4 +1,5 @@
-"""Tiny random targets and test drafters shared by the tests (float64 by default: argmax ties cannot flip)."""
+"""Tiny random targets, test drafters and a character-level tokenizer shared by the tests (float64 by default:
+argmax ties cannot flip)."""
 
 from __future__ import annotations
 
@@ -166,3 +167,26 @@ def rotate_programs(monkeypatch, order: list[int] | None = None) -> None:
 
     monkeypatch.setattr(policy.CalibrationPolicy, "decide", decide)
     monkeypatch.setattr(calibration.Calibration, "ensure_costs", lambda self, *args: None)
+
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+_SPECIALS = ["<pad>", "<|im_start|>", "<|im_end|>", "<unk>"]
+_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 \n.,?!:=+-*/()#"
+
+
+def tiny_tokenizer():
+    """A character-level fast tokenizer with ChatML special tokens (ids 0-3) and a ChatML chat template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(_SPECIALS + list(_CHARS))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>",
+                                   unk_token="<unk>", additional_special_tokens=["<|im_start|>"])
+    fast.chat_template = CHATML
+    return fast

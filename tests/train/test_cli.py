@@ -6,8 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from tiny import tiny_target
-from train_helpers import tiny_tokenizer
+from tiny import tiny_target, tiny_tokenizer
 
 from eagle_compile.cli import main as eagle31
 from eagle_compile.draft import load_draft

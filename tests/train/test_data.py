@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from train_helpers import tiny_tokenizer
+from tiny import tiny_tokenizer
 
 from eagle_compile.errors import OptionsError
 from eagle_compile.train.config import TrainConfig

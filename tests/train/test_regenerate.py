@@ -6,8 +6,7 @@ from __future__ import annotations
 import json
 
 import torch
-from tiny import tiny_target
-from train_helpers import tiny_tokenizer
+from tiny import tiny_target, tiny_tokenizer
 
 from eagle_compile.train.data import Record, prompt_ids, read_records, tokenize_records
 from eagle_compile.train.regenerate import done_ids, regenerate_responses

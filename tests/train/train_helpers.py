@@ -1,4 +1,4 @@
-"""Tiny draft heads, a tiny ChatML tokenizer and hand-made conversations for the training tests."""
+"""Tiny draft heads and hand-made conversations for the training tests (the tokenizer: tests/tiny.py)."""
 
 from __future__ import annotations
 
@@ -13,14 +13,6 @@ FLAG_SETS = {
     "norm_before_residual": {"norm_before_residual": True, "norm_output": True},
     "norm_before_fc": {"norm_before_fc": True},
 }
-
-CHATML = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
-    "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-_SPECIALS = ["<pad>", "<|im_start|>", "<|im_end|>", "<unk>"]
-_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 \n.,?!:=+-*/()#"
-
 
 def tiny_draft(vocab: int = 64, hidden: int = 32, draft_vocab: int = 24, seed: int = 0,
                dtype: torch.dtype = torch.float64, capture_indices=(1, 3, 5), **flags) -> EagleDraftModel:
@@ -45,21 +37,6 @@ def tiny_features(cfg: DraftConfig, batch: int, tokens: int, seed: int = 1) -> t
     gen = torch.Generator().manual_seed(seed)
     return torch.cat([torch.randn(batch, tokens, cfg.target_hidden_size, generator=gen, dtype=torch.float64) * s
                       for s in (0.5, 4.0, 30.0)[: cfg.num_features]], dim=-1)
-
-
-def tiny_tokenizer():
-    """A character-level fast tokenizer with ChatML special tokens (ids 0-3) and a ChatML chat template."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {tok: i for i, tok in enumerate(_SPECIALS + list(_CHARS))}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>",
-                                   unk_token="<unk>", additional_special_tokens=["<|im_start|>"])
-    fast.chat_template = CHATML
-    return fast
 
 
 def hand_samples(n: int = 6, vocab: int = 96, seed: int = 0, min_len: int = 12, max_len: int = 24) -> list[Sample]:
