@@ -12,9 +12,9 @@ pairs (feature at p, token p+1) for p = 0..n-2 (EAGLE31_SPEC.md §4.1). One cycl
     n += a + 1
 
 With `speculate=False` a cycle is one plain step (`runtime/plain_step.py`) and nothing of the draft runs.
-The host reads only `accept_len` and the emitted tokens once per cycle (to apply stops). With a copy branch
-(`draft/lookup.py`) the host also looks each row's last tokens up in its own history before the cycle (from
-the tokens that read brought back) and hands the proposals to the step in `StepState.copy`.
+The host reads only `accept_len` and the emitted tokens once per cycle (to apply stops and feed a streamer).
+With a copy branch (`draft/lookup.py`) the host also looks each row's last tokens up in its own history before
+the cycle (from the tokens that read brought back) and hands the proposals to the step in `StepState.copy`.
 
 Prefill (`_prefill`) covers the longest prompt with chunks from a small menu of static sizes (`prefill_plan.py`),
 each one causal block over the live slots; the draft's catch-up over the prompt runs per chunk, as a block of

@@ -77,13 +77,13 @@ def generate(model, input_ids: torch.Tensor | None = None, logits_processor=None
         tokenizer: needed for `stop_strings`.
         generator: torch.Generator for sampling (default: torch's global RNG, like HF).
         **kwargs: generation settings (max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,
-            stop_strings, return_dict_in_generate, attention_mask, ...).
+            stop_strings, return_dict_in_generate, attention_mask, streamer, ...). A `streamer` (HF
+            `BaseStreamer`, batch size 1) gets the prompt, then each cycle's kept tokens, then `end()`.
     """
     model = getattr(model, "_orig_mod", model)
     opts = parse_options(options)
     attention_mask = kwargs.pop("attention_mask", None)
-    if kwargs.pop("streamer", None) is not None:
-        raise UnsupportedGenerationError("streamer is not supported by eagle_compile.generate")
+    streamer = kwargs.pop("streamer", None)
     for prepared_by_hf in ("use_cache", "logits_to_keep", "cache", "past_key_values", "synced_gpus", "position_ids"):
         kwargs.pop(prepared_by_hf, None)   # HF's own cache plumbing; we run on our static caches
     from_hf = generation_config is not None and stopping_criteria is not None
@@ -99,9 +99,14 @@ def generate(model, input_ids: torch.Tensor | None = None, logits_processor=None
     _check_processors(logits_processor)
     sampling = SamplingParams.from_generation_config(generation_config)
     prompts, attention_mask = _split_rows(input_ids, attention_mask)
-    stopper = _stopper(model, prompts, input_ids.shape[1], generation_config, stopping_criteria, tokenizer)
+    stopper = _stopper(model, prompts, input_ids.shape[1], generation_config, stopping_criteria, tokenizer,
+                       streamer)
     decoder = _decoder(model, draft if draft is not None else opts.draft, opts)
+    if streamer is not None:
+        streamer.put(input_ids.cpu())          # the prompt first, as HF's generate does
     stats = decoder.generate(prompts, stopper, sampling, generator)
+    if streamer is not None:
+        streamer.end()
     return _assemble(input_ids, attention_mask, stopper, generation_config, stats)
 
 
@@ -154,7 +159,8 @@ def _split_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
     return prompts, attention_mask
 
 
-def _stopper(model, prompts, padded_len, gc: GenerationConfig, stopping_criteria, tokenizer) -> StopChecker:
+def _stopper(model, prompts, padded_len, gc: GenerationConfig, stopping_criteria, tokenizer,
+             streamer=None) -> StopChecker:
     if gc.max_new_tokens is not None:
         max_new = gc.max_new_tokens
     else:
@@ -166,7 +172,7 @@ def _stopper(model, prompts, padded_len, gc: GenerationConfig, stopping_criteria
         if tokenizer is None:
             raise UnsupportedGenerationError("stop_strings needs the tokenizer: pass tokenizer=...")
         criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=gc.stop_strings))
-    return StopChecker(prompts, max_new_tokens=max_new, eos_token_ids=eos, criteria=criteria)
+    return StopChecker(prompts, max_new_tokens=max_new, eos_token_ids=eos, criteria=criteria, streamer=streamer)
 
 
 # -- draft and decoder ------------------------------------------------------------------------------------------

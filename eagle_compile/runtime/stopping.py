@@ -3,6 +3,10 @@
 A cycle emits up to D+1 tokens at once; HF decoding would have checked its criteria after every single token.
 We replay exactly that: walk the block token by token and cut right after the first token that stops the
 row, so nothing after an EOS / stop string / the token budget is ever returned.
+
+A Hugging Face streamer (`streamer=`) is fed here too, with exactly what each `extend` kept: what a stream
+shows is what the call returns, never a token of a block after its cut. `extend` takes the tokens the
+decoder already read on the host (its one read per cycle), so streaming adds no device synchronisation.
 """
 
 from __future__ import annotations
@@ -11,13 +15,22 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from eagle_compile.errors import UnsupportedGenerationError
+
 
 class StopChecker:
-    """Per-row bookkeeping of generated tokens and the stop decision."""
+    """Per-row bookkeeping of generated tokens and the stop decision; `streamer` (HF `BaseStreamer`, one row
+    only) gets `put([1, n] int64 cpu)` of every non-empty block kept."""
 
     def __init__(self, prompts: Sequence[torch.Tensor], *, max_new_tokens: int, eos_token_ids: Iterable[int],
-                 criteria: Sequence = ()) -> None:
+                 criteria: Sequence = (), streamer=None) -> None:
+        if streamer is not None and len(prompts) != 1:
+            raise UnsupportedGenerationError(
+                "streamer= supports batch size 1 only, like Hugging Face's streamers (\"TextStreamer only "
+                f"supports batch size 1\"); input_ids has {len(prompts)} rows: call generate once per prompt to "
+                "stream each, or drop streamer= to generate the batch")
         self.prompts = list(prompts)
+        self.streamer = streamer
         self.max_new_tokens = max_new_tokens
         self.eos = {int(t) for t in eos_token_ids}
         self.criteria = list(criteria)
@@ -27,12 +40,15 @@ class StopChecker:
     def extend(self, row: int, block: Sequence[int]) -> bool:
         """Append `block` to `row` up to and including its first stopping token; return True if the row stopped."""
         out = self.generated[row]
+        start, stopped = len(out), False
         for token in block:
             out.append(int(token))
             if self._stops(row, int(token)):
-                self.finished[row] = True
-                return True
-        return False
+                self.finished[row] = stopped = True
+                break
+        if self.streamer is not None and len(out) > start:
+            self.streamer.put(torch.tensor([out[start:]], dtype=torch.long))
+        return stopped
 
     def _stops(self, row: int, token: int) -> bool:
         if token in self.eos or len(self.generated[row]) >= self.max_new_tokens:
