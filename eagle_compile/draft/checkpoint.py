@@ -68,7 +68,7 @@ def load_draft(
             "num_target_layers=N (the EAGLE-3 default (2, N//2, N-3) is then used)."
         )
     if target_cfg is not None:
-        _check_target(config, target_cfg)
+        check_target_config(config, target_cfg)
 
     tensors = _canonical_keys(_read_weights(path))
     embed = tensors.pop("embed_tokens.weight", None)
@@ -115,10 +115,7 @@ def save_draft(
     The target's embedding is never written; an embedding that came with a speculators checkpoint is
     written back in the speculators layout only (the official layout has no such key).
     """
-    from safetensors.torch import save_file
-
     dtype = str(model.lm_head.weight.dtype).removeprefix("torch.")
-    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     if layout == "eagle3":
         config = model.config.to_hf_dict(torch_dtype=dtype)
     elif layout == "speculators":
@@ -127,15 +124,42 @@ def save_draft(
             verifier_name_or_path=verifier_name_or_path,
             torch_dtype=dtype,
         )
-        state = {_rename(k, "midlayer.", "layers.0."): v for k, v in state.items()}
-        if model.embed_tokens.owned:
-            state["embed_tokens.weight"] = model.embed_tokens.weight.detach().cpu().contiguous()
     else:
         raise ValueError(f"layout must be 'eagle3' or 'speculators', got {layout!r}")
+    embedding = layout == "speculators" and model.embed_tokens.owned
+    write_draft(path, config, draft_tensors(model, layout, embedding=embedding))
+
+
+def draft_tensors(
+    model: EagleDraftModel, layout: Literal["eagle3", "speculators"], *, embedding: bool = False
+) -> dict[str, torch.Tensor]:
+    """The head's tensors under the key names of ``layout`` (``midlayer.*`` or ``layers.0.*``), on the CPU.
+
+    ``embedding=True`` adds ``embed_tokens.weight``, which only a table the head owns may be (never the
+    target's own table).
+    """
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    if layout == "speculators":
+        state = {_rename(k, "midlayer.", "layers.0."): v for k, v in state.items()}
+    if embedding:
+        if not model.embed_tokens.owned:
+            raise ValueError(
+                "embedding=True, but the head's embed_tokens is the target's table, which is never written "
+                "into a draft checkpoint"
+            )
+        state["embed_tokens.weight"] = model.embed_tokens.weight.detach().cpu().contiguous()
+    return state
+
+
+def write_draft(path: str | Path, config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` into the folder ``path`` (created if missing)."""
+    from safetensors.torch import save_file
+
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(path / SAFETENSORS), metadata={"format": "pt"})
+    save_file(dict(tensors), str(path / SAFETENSORS), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return path
 
 
 # --------------------------------------------------------------------------------------------------
@@ -244,7 +268,8 @@ def _text_config(target: nn.Module) -> Any:
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
-def _check_target(config: DraftConfig, target_cfg: Any) -> None:
+def check_target_config(config: DraftConfig, target_cfg: Any) -> None:
+    """Refuse a target (its HF config) whose vocabulary or hidden size is not the one the head was made for."""
     if int(target_cfg.vocab_size) != config.vocab_size:
         raise CheckpointError(
             f"the draft head was trained for a target vocabulary of {config.vocab_size} ids but this target "
