@@ -1,4 +1,4 @@
-"""The `eagle31` command line: `demo`, `generate` and `train`."""
+"""The `eagle31` command line: `demo`, `generate`, `train` and `export`."""
 
 from __future__ import annotations
 
@@ -25,11 +25,16 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--target", default=None, help="HF model folder (default: the embedded SmolLM2 target)")
         p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
     _add_train(sub)
+    _add_export(sub)
     args = parser.parse_args(argv)
     if args.command == "train":
         from eagle_compile.train.cli import run_train
 
         return run_train(args)
+    if args.command == "export":
+        from eagle_compile.export.cli import run_export
+
+        return run_export(args)
     return _run_demo(args, compare=args.command == "demo")
 
 
@@ -37,6 +42,12 @@ def _add_train(sub) -> None:
     from eagle_compile.train.cli import add_train_parser
 
     add_train_parser(sub)
+
+
+def _add_export(sub) -> None:
+    from eagle_compile.export.cli import add_export_parser
+
+    add_export_parser(sub)
 
 
 def _run_demo(args, *, compare: bool) -> int:

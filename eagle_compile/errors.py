@@ -19,3 +19,7 @@ class CheckpointError(EagleError, ValueError):
 
 class UnsupportedGenerationError(EagleError, ValueError):
     """A generation setting speculative decoding cannot honour losslessly."""
+
+
+class ExportError(EagleError, ValueError):
+    """A head or program that cannot be exported to the asked format without changing what it computes."""

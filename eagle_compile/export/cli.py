@@ -1,0 +1,112 @@
+"""``eagle31 export``: write a draft head as a folder that vLLM, SGLang or speculators loads.
+
+  eagle31 export --format vllm runs/vllm-head                   # the shipped head, for the embedded target
+  eagle31 export --format sglang runs/sglang-head --draft runs/my-head/head --target path/to/hf-model
+  eagle31 export --format speculators runs/spec-head --speculative-tokens 4
+
+OUT is a new (or empty) folder; it gets config.json and model.safetensors, and the command prints how to
+serve it. --format vllm and speculators are both for vLLM (speculators also loads the latter); sglang is for
+SGLang. Each format writes the capture indices the way its engine reads them and refuses, with the reason, a
+head its engine would run differently from eagle_compile (for example norm_before_residual in SGLang).
+--format onnx and tensorrt (the compiled programs, not a head folder) are not available yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from eagle_compile.export.heads import ENGINE_NOTES, ENGINES
+
+PROGRAM_FORMATS = ("onnx", "tensorrt")
+
+
+def add_export_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``export`` subcommand to the ``eagle31`` command line."""
+    p = subparsers.add_parser("export", help="write a draft head as a vLLM / SGLang / speculators folder",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--format", required=True, choices=(*ENGINES, *PROGRAM_FORMATS),
+                   help="the layout to write: vllm, sglang or speculators (onnx and tensorrt: not yet available)")
+    p.add_argument("out", metavar="OUT", help="folder to write (new or empty; see --overwrite)")
+    p.add_argument("--draft", default=None, metavar="HEAD_FOLDER",
+                   help="draft head folder, official EAGLE-3 or speculators layout (default: the shipped head)")
+    p.add_argument("--target", default=None, metavar="HF_FOLDER",
+                   help="HF model folder (or hub id) of the target the head drafts for; only its config.json "
+                        "is read (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--speculative-tokens", type=int, default=3, metavar="K",
+                   help="draft tokens per step: written into the speculators config (vLLM's default for that "
+                        "head) and used in the serve command printed at the end (default 3)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace config.json and model.safetensors in an OUT that already holds files")
+    return p
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from eagle_compile.draft.checkpoint import check_target_config, load_draft
+    from eagle_compile.errors import CheckpointError, ExportError
+    from eagle_compile.export.heads import export_head
+
+    if args.format in PROGRAM_FORMATS:
+        print(f"eagle31 export: --format {args.format} is not available yet (it will export the compiled "
+              f"programs, not a head folder); head folders: --format {' | '.join(ENGINES)}", file=sys.stderr)
+        return 2
+    try:
+        target_cfg, target_name = _target_config(args.target)
+        draft = _draft_folder(args.draft)
+        layers = int(target_cfg.num_hidden_layers)
+        head = load_draft(draft, num_target_layers=layers)
+        check_target_config(head.config, target_cfg)
+        out = export_head(head, args.out, args.format, num_target_layers=layers,
+                          verifier_name_or_path=target_name,
+                          verifier_architectures=list(getattr(target_cfg, "architectures", None) or []),
+                          speculative_tokens=args.speculative_tokens, overwrite=args.overwrite)
+    except (CheckpointError, ExportError, OSError) as error:
+        print(f"eagle31 export: {error}", file=sys.stderr)
+        return 2
+    cfg = head.config
+    flags = [name for name in ("fc_norm", "norm_output", "norm_before_fc", "norm_before_residual")
+             if getattr(cfg, name)]
+    print(f"wrote {out} ({args.format} format) from {draft}: capture indices "
+          f"{list(cfg.resolved_capture_indices(layers))} of a {layers}-layer target, draft vocabulary "
+          f"{cfg.draft_vocab_size}, flags {flags or 'none'}")
+    if cfg.fc_norm or cfg.norm_output:
+        print(f"note: this EAGLE 3.1 head {ENGINE_NOTES[args.format]}")
+    print(f"serve it with:\n  {serve_command(args.format, out, target_name, args.speculative_tokens)}")
+    return 0
+
+
+def serve_command(engine: str, out: Path, target: str, tokens: int) -> str:
+    """A command line that serves ``target`` with the exported head ``out`` on ``engine``."""
+    if engine == "sglang":
+        return (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
+                f"--speculative-draft-model-path {out} --speculative-num-steps {tokens} "
+                f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {tokens + 1}")
+    return (f"vllm serve {target} --speculative-config "
+            f"'{{\"method\": \"eagle3\", \"model\": \"{out}\", \"num_speculative_tokens\": {tokens}}}'")
+
+
+def _target_config(target: str | None):
+    """(text config, name) of the target: the given folder or hub id, else the embedded default target."""
+    from transformers import AutoConfig
+
+    from eagle_compile.targets import DEFAULT_TARGET_NAME, default_target_folder
+
+    folder, name = (default_target_folder(), DEFAULT_TARGET_NAME) if target is None else (target, target)
+    config = AutoConfig.from_pretrained(folder)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if not getattr(text, "architectures", None):
+        text.architectures = getattr(config, "architectures", None)
+    return text, name
+
+
+def _draft_folder(draft: str | None) -> Path:
+    from eagle_compile.errors import CheckpointError
+    from eagle_compile.heads import shipped_head
+
+    if draft is not None:
+        return Path(draft)
+    shipped = shipped_head()
+    if shipped is None:
+        raise CheckpointError("this checkout ships no draft head; pass --draft <head folder>")
+    return shipped

@@ -1,0 +1,69 @@
+"""``eagle31 export``: the shipped head for the embedded target, a --draft/--target pair, errors, --help."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tiny import random_head, tiny_target
+
+from eagle_compile.cli import main
+from eagle_compile.draft import load_draft, save_draft
+from eagle_compile.heads import shipped_head
+
+SHIPPED = shipped_head()
+
+
+@pytest.mark.skipif(SHIPPED is None, reason="this checkout ships no head")
+@pytest.mark.parametrize("engine", ["vllm", "sglang", "speculators"])
+def test_shipped_head_for_the_default_target(tmp_path, capsys, engine):
+    out = tmp_path / engine
+    assert main(["export", "--format", engine, str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "capture indices [2, 15, 27] of a 30-layer target" in printed
+    assert ("sglang.launch_server" if engine == "sglang" else "vllm serve") in printed
+    original = load_draft(SHIPPED, num_target_layers=30)
+    exported = load_draft(out, num_target_layers=30)
+    assert exported.config == original.config
+    for key, value in original.state_dict().items():
+        assert torch.equal(exported.state_dict()[key], value), key
+
+
+def test_draft_and_target_folders(tmp_path, capsys):
+    target = tiny_target("llama")
+    target.save_pretrained(tmp_path / "target")
+    head = random_head(target, flags=True, seed=0, reduced=True)
+    save_draft(head, tmp_path / "head")
+    out = tmp_path / "out"
+    argv = ["export", "--format", "sglang", str(out), "--draft", str(tmp_path / "head"),
+            "--target", str(tmp_path / "target"), "--speculative-tokens", "5"]
+    assert main(argv) == 0
+    assert "--speculative-num-steps 5" in capsys.readouterr().out
+    assert json.loads((out / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [
+        1, 3, 4]
+    assert main(argv) == 2                                  # OUT holds files now
+    assert "--overwrite" in capsys.readouterr().err
+    assert main([*argv, "--overwrite"]) == 0
+    capsys.readouterr()
+    wrong = tiny_target("llama", vocab=64)
+    wrong.save_pretrained(tmp_path / "wrong")
+    assert main(["export", "--format", "vllm", str(tmp_path / "o2"), "--draft", str(tmp_path / "head"),
+                 "--target", str(tmp_path / "wrong")]) == 2
+    assert "vocab_size 64" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt", ["onnx", "tensorrt"])
+def test_program_formats_are_not_available_yet(tmp_path, capsys, fmt):
+    assert main(["export", "--format", fmt, str(tmp_path / "x")]) == 2
+    assert f"--format {fmt} is not available yet" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_help(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["export", "--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    for word in ("--format", "vllm", "sglang", "speculators", "--draft", "--target", "OUT", "--overwrite"):
+        assert word in text
