@@ -1,4 +1,4 @@
-"""The `eagle31` command line: `demo`, `generate`, `train` and `export`."""
+"""The `eagle31` command line: `demo`, `generate`, `train`, `export` and `drift`."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
     _add_train(sub)
     _add_export(sub)
+    _add_drift(sub)
     args = parser.parse_args(argv)
     if args.command == "train":
         from eagle_compile.train.cli import run_train
@@ -35,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
         from eagle_compile.export.cli import run_export
 
         return run_export(args)
+    if args.command == "drift":
+        from eagle_compile.reports.drift_cli import run_drift
+
+        return run_drift(args)
     return _run_demo(args, compare=args.command == "demo")
 
 
@@ -48,6 +53,12 @@ def _add_export(sub) -> None:
     from eagle_compile.export.cli import add_export_parser
 
     add_export_parser(sub)
+
+
+def _add_drift(sub) -> None:
+    from eagle_compile.reports.drift_cli import add_drift_parser
+
+    add_drift_parser(sub)
 
 
 def _run_demo(args, *, compare: bool) -> int:
@@ -92,15 +103,9 @@ def _run_demo(args, *, compare: bool) -> int:
 
 
 def _target(args):
-    from eagle_compile.targets import load_default_target
+    from eagle_compile.targets import load_target
 
-    dtype = getattr(torch, args.dtype)
-    if args.target is None:
-        return load_default_target(dtype)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype, attn_implementation="sdpa").eval()
-    return model, AutoTokenizer.from_pretrained(args.target)
+    return load_target(args.target, getattr(torch, args.dtype))
 
 
 def _draft(args, model, shipped):

@@ -129,6 +129,16 @@ def _locate_gguf() -> Path:
     return path
 
 
+def load_target(folder: str | os.PathLike[str] | None, dtype: torch.dtype = torch.float32
+                ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The model and tokenizer of an HF folder (eval mode, sdpa attention, `dtype`), or the embedded default
+    target when `folder` is None: what the `eagle31` commands' `--target` means."""
+    if folder is None:
+        return load_default_target(dtype)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").eval()
+    return model, AutoTokenizer.from_pretrained(folder)
+
+
 def _load_from_gguf(gguf_path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The model dequantised to float32 from the GGUF, with no quantizer attached, and its tokenizer."""
     for module in ("gguf", "accelerate"):

@@ -1,0 +1,1 @@
+"""Reports over many generate calls: `drift` (tau and the drift monitors against context length and prompt format)."""
