@@ -22,6 +22,9 @@ measurement happen there and are reported as `calibration_s`; then --rounds inte
   category: --fixed is a verify_cost.json (its ranking's top 5) or a JSON list of option dicts.
 * `batch`: --batches rows of MT-bench first turns, left padded: adaptive / plain / hf.
 * `long`: one LEval government report cut to --long-lengths tokens x --long-new-tokens: adaptive / plain / hf.
+* `monitors`: what the drift monitors (`drift_monitors=True`) cost: the head's tree.json fixed and the adaptive
+  default, each with and without the monitors, plain beside them, on the first Spec-Bench prompt of each
+  category; the table's `monitor cost` row is time with monitors / time without, minus 1.
 
 Every eagle31 output is compared with the plain mode's (batch-invariant numerics: must be equal, exit 1 if
 not) and with HF's (reported). Outputs in --out: calibration.records.jsonl (one record per case, appended: rerun
@@ -51,6 +54,7 @@ from common import (
     markdown_table,
     print_load,
     read_jsonl,
+    read_options,
     resumable_log,
     set_threads,
     write_json,
@@ -58,7 +62,7 @@ from common import (
 
 from eagle_compile.draft.drafter import EagleDrafter
 
-SECTIONS = ("spec", "heads", "fixed", "batch", "long")
+SECTIONS = ("spec", "heads", "fixed", "batch", "long", "monitors")
 CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 
 
@@ -170,7 +174,11 @@ class Runner:
         return record
 
 
-def methods_for(section: str, head, wrong, random_head, fixed: list[dict]) -> dict[str, dict | None]:
+def methods_for(section: str, head, wrong, random_head, fixed: list[dict], tree: dict) -> dict[str, dict | None]:
+    if section == "monitors":
+        return {"tree": {"draft": head, **tree}, "tree+monitors": {"draft": head, **tree, "drift_monitors": True},
+                "adaptive": {"draft": head}, "adaptive+monitors": {"draft": head, "drift_monitors": True},
+                "plain": {"speculate": False}}
     if section in ("spec", "batch", "long"):
         return {"adaptive": {"draft": head}, "plain": {"speculate": False}, "hf": None}
     if section == "heads":
@@ -187,7 +195,7 @@ def cases(section: str, args, tokenizer) -> list[tuple[str, torch.Tensor, torch.
     if section in ("spec", "fixed"):
         return [(cid, ids, torch.ones_like(ids), args.new_tokens)
                 for cid, ids in spec_prompts(tokenizer, args.data, args.per_category)]
-    if section == "heads":
+    if section in ("heads", "monitors"):
         return [(cid, ids, torch.ones_like(ids), args.new_tokens)
                 for cid, ids in spec_prompts(tokenizer, args.data, 1)]
     if section == "batch":
@@ -210,9 +218,9 @@ def summarize(records: list[dict]) -> dict[str, Any]:
             continue
         groups: dict[str, list[dict]] = {}
         for r in recs:
-            group = r["case"].split("/")[0] if section in ("spec", "fixed") else r["case"]
+            group = r["case"].split("/")[0] if section in ("spec", "fixed", "monitors") else r["case"]
             groups.setdefault(group, []).append(r)
-        if section in ("spec", "fixed"):
+        if section in ("spec", "fixed", "monitors"):
             groups["overall"] = recs
         out[section] = {g: _group(rs) for g, rs in groups.items()}
     return out
@@ -258,8 +266,20 @@ def markdown(summary: dict, meta: dict) -> str:
         lines += [markdown_table(header, rows), ""]
         bad = [(g, n) for g, s in groups.items() for n in names if s[n]["exact_vs_plain"] != s[n]["cases"]]
         lines.append("every eagle31 output equals the plain mode's" if not bad else f"MISMATCH vs plain: {bad}")
+        lines += _monitor_cost(groups)
         lines.append("")
     return "\n".join(lines)
+
+
+def _monitor_cost(groups: dict) -> list[str]:
+    """For the `monitors` section: the drift monitors' cost per group, (time with) / (time without) - 1."""
+    pairs = [(n, f"{n}+monitors") for n in ("tree", "adaptive")]
+    first = next(iter(groups.values()))
+    if not all(a in first and b in first for a, b in pairs):
+        return []
+    rows = [[g] + [f"{100 * (s[b]['s'] / s[a]['s'] - 1):+.1f} %" for a, b in pairs] for g, s in groups.items()]
+    return ["", "monitor cost (time with the drift monitors / without - 1):",
+            markdown_table(["case", *(f"{a}" for a, _ in pairs)], rows)]
 
 
 def plot(summary: dict, path: Path) -> None:
@@ -311,10 +331,11 @@ def main(argv: list[str] | None = None) -> int:
     wrong = ShiftedDrafter(head, vocab=model.config.vocab_size,
                            capture_indices=tuple(head.config.capture_indices or ()) or None)
     fixed = fixed_trees(args.fixed) if "fixed" in sections else []
+    tree, _ = read_options(None, info, {"depth": 3, "top_k": 3, "total_tokens": 8})
     runner = Runner(model, args.cache or args.out / "cost_cache")
     load_before = print_load("before")
     for section in sections:
-        methods = methods_for(section, head, wrong, untrained, fixed)
+        methods = methods_for(section, head, wrong, untrained, fixed, tree)
         for cid, ids, mask, new in cases(section, args, tokenizer):
             if (section, cid) in done:
                 continue
