@@ -190,3 +190,21 @@ def tiny_tokenizer():
                                    unk_token="<unk>", additional_special_tokens=["<|im_start|>"])
     fast.chat_template = CHATML
     return fast
+
+
+def save_tiny_folder(path, tokenizer, *, seed: int = 0):
+    """`tiny_target` in float32 for `tokenizer` (vocab = len(tokenizer)), saved with the tokenizer as an HF
+    folder: what tests of command-line tools and examples pass as `--target`. Returns the model."""
+    model = tiny_target("llama", seed=seed, vocab=len(tokenizer), dtype=torch.float32)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return model
+
+
+def save_random_head(path, target, *, seed: int = 0) -> None:
+    """A random EAGLE 3.1 head for `target` (full vocabulary) in the official layout at `path`."""
+    from eagle_compile.draft.checkpoint import save_draft
+
+    torch.manual_seed(seed)
+    head = EagleDraftModel(DraftConfig.for_target(target.config, None, fc_norm=True, norm_output=True))
+    save_draft(head.to(target.dtype).eval(), path)

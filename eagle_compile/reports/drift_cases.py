@@ -78,7 +78,7 @@ def prompt_cases(tokenizer, data: Path, per_set: int) -> list[DriftCase]:
             raise OptionsError(f"{path} is missing: the drift report's chat prompts come from ../shared/data/"
                                "eagle_eval (pass --data to point at the data folder)")
         with path.open() as f:
-            questions = [_question(json.loads(line)) for line, _ in zip(f, range(per_set))]
+            questions = [_question(json.loads(line)) for line, _ in zip(f, range(per_set), strict=False)]
         for i, question in enumerate(questions):
             for variant in VARIANTS:
                 cases.append(DriftCase("prompt", variant, f"{name}/{i}", tuple(_format(tokenizer, question, variant))))

@@ -32,7 +32,8 @@ def _context_table(context: dict) -> list[str]:
     if not context:
         return []
     rows = ["Tau against context length (the same documents, cut to each length; tau_rel: against the shortest):", "",
-            "| context | prompt tokens | cases | cycles | tau | tau_rel | per document |", "|---|---|---|---|---|---|---|"]
+            "| context | prompt tokens | cases | cycles | tau | tau_rel | per document |",
+            "|---|---|---|---|---|---|---|"]
     for name, r in context.items():
         per = ", ".join(f"{k} {v:.2f}" for k, v in r["per_case"].items())
         rows.append(f"| {name} | {r['prompt_tokens']} | {r['cases']} | {r['cycles']} | {_f(r['tau'])} | "

@@ -8,7 +8,8 @@ import json
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from tiny import save_tiny_folder
+from transformers import AutoTokenizer
 
 from eagle_compile.cli import main
 from eagle_compile.draft.checkpoint import save_draft
@@ -85,7 +86,8 @@ def test_run_resumes_and_refuses_other_settings(tmp_path, monkeypatch):
         return record
 
     monkeypatch.setattr(drift, "measure", fake)
-    cases = [drift_cases.DriftCase("context", "512", "d", (1, 2, 3)), drift_cases.DriftCase("prompt", "default", "q", (4,))]
+    cases = [drift_cases.DriftCase("context", "512", "d", (1, 2, 3)),
+             drift_cases.DriftCase("prompt", "default", "q", (4,))]
     heads = {"h": (None, "head h")}
     records = drift.run(tmp_path, heads, None, cases, {"chain": 2}, 8, log=lambda _: None)
     assert len(calls) == 2 and [r["head"] for r in records] == ["h", "h"]
@@ -98,15 +100,9 @@ def test_run_resumes_and_refuses_other_settings(tmp_path, monkeypatch):
 
 
 def test_drift_command_end_to_end(tmp_path, tokenizer):
-    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=8,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
-                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    target = save_tiny_folder(tmp_path / "target", tokenizer)
     torch.manual_seed(0)
-    target = LlamaForCausalLM(cfg).eval()
-    target.generation_config.eos_token_id = None
-    target.save_pretrained(tmp_path / "target")
-    tokenizer.save_pretrained(tmp_path / "target")
-    head = EagleDraftModel(DraftConfig.for_target(cfg, 512)).eval()          # EAGLE-3: feedback not normed
+    head = EagleDraftModel(DraftConfig.for_target(target.config, 512)).eval()   # EAGLE-3: feedback not normed
     save_draft(head, tmp_path / "head")
     out = tmp_path / "report"
     argv = ["drift", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "head"), "--tree",
