@@ -96,8 +96,8 @@ def _check_settings(out: Path, settings: dict, fresh: bool) -> None:
         before = json.loads(path.read_text())
         if {k: before.get(k) for k in ("tree", "new_tokens")} != {k: settings[k] for k in ("tree", "new_tokens")}:
             raise OptionsError(f"{out} holds a drift report made with {before.get('tree')} x "
-                               f"{before.get('new_tokens')} new tokens; this run asks for {settings['tree']} x {settings['new_tokens']}: pass "
-                               "--fresh to start over or --out for another folder")
+                               f"{before.get('new_tokens')} new tokens; this run asks for {settings['tree']} x "
+                               f"{settings['new_tokens']}: pass --fresh to start over or --out for another folder")
         settings = {**settings, "heads": {**before.get("heads", {}), **settings["heads"]}}
     path.write_text(json.dumps(settings, indent=1) + "\n")
 
