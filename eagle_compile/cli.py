@@ -1,4 +1,4 @@
-"""The `eagle31` command line: `demo`, `generate`, `train`, `export` and `drift`."""
+"""The `eagle31` command line: `demo`, `generate`, `train`, `export`, `drift` and `bench`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import sys
 import time
 
 import torch
+
+from eagle_compile.errors import EagleError
 
 DEMO_PROMPT = "Explain in three sentences why the sky is blue."
 
@@ -27,7 +29,16 @@ def main(argv: list[str] | None = None) -> int:
     _add_train(sub)
     _add_export(sub)
     _add_drift(sub)
+    _add_bench(sub)
     args = parser.parse_args(argv)
+    try:
+        return _dispatch(args)
+    except EagleError as error:          # bad input: its message names the problem and the fix; no traceback
+        print(f"eagle31 {args.command}: {error}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(args) -> int:
     if args.command == "train":
         from eagle_compile.train.cli import run_train
 
@@ -40,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         from eagle_compile.reports.drift_cli import run_drift
 
         return run_drift(args)
+    if args.command == "bench":
+        from eagle_compile.bench_cli import run_bench
+
+        return run_bench(args)
     return _run_demo(args, compare=args.command == "demo")
 
 
@@ -59,6 +74,12 @@ def _add_drift(sub) -> None:
     from eagle_compile.reports.drift_cli import add_drift_parser
 
     add_drift_parser(sub)
+
+
+def _add_bench(sub) -> None:
+    from eagle_compile.bench_cli import add_bench_parser
+
+    add_bench_parser(sub)
 
 
 def _run_demo(args, *, compare: bool) -> int:
