@@ -7,6 +7,7 @@ this machine is shared and noisy. Nothing here asserts a time.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import platform
@@ -78,6 +79,31 @@ def environment() -> dict[str, Any]:
     return {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
             "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "git": git_commit(), "command": shlex.join([sys.executable, *sys.argv])}
+
+
+def compat_torch_compile(note: Callable[[str], None]) -> None:
+    """Keep the runtime's torch.compile keywords working on an older torch (the device image's, for the GPU
+    scripts): drop the ones this torch lacks, and raise dynamo's recompile limits, which is what they were for.
+    ``note`` is told once what was changed."""
+    accepted = set(inspect.signature(torch.compile).parameters)
+    missing = {"recompile_limit", "isolate_recompiles"} - accepted
+    if not missing:
+        return
+    from torch import _dynamo
+
+    original = torch.compile
+
+    def compile_compat(*args, **kwargs):
+        for key in missing:
+            kwargs.pop(key, None)
+        return original(*args, **kwargs)
+
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(_dynamo.config, name):
+            setattr(_dynamo.config, name, max(getattr(_dynamo.config, name), 256))
+    torch.compile = compile_compat
+    note(f"torch {torch.__version__}: torch.compile has no {sorted(missing)}; dropped for this run, dynamo's "
+         "recompile limits raised to 256 instead")
 
 
 # -- files -------------------------------------------------------------------------------------------------------

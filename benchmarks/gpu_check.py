@@ -56,7 +56,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import inspect
 import math
 import os
 import statistics
@@ -70,6 +69,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import compat_torch_compile
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "bench_out" / "gpu_check"
@@ -1001,30 +1001,6 @@ def environment(run: Run) -> dict:
     return env
 
 
-def compat_torch_compile(run: Run) -> None:
-    """Keep the runtime's torch.compile keywords working on an older torch (the device image's): drop the ones
-    this torch lacks, and raise dynamo's recompile limits, which is what they were for."""
-    accepted = set(inspect.signature(torch.compile).parameters)
-    missing = {"recompile_limit", "isolate_recompiles"} - accepted
-    if not missing:
-        return
-    from torch import _dynamo
-
-    original = torch.compile
-
-    def compile_compat(*args, **kwargs):
-        for key in missing:
-            kwargs.pop(key, None)
-        return original(*args, **kwargs)
-
-    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
-        if hasattr(_dynamo.config, name):
-            setattr(_dynamo.config, name, max(getattr(_dynamo.config, name), 256))
-    torch.compile = compile_compat
-    run.note(f"torch {torch.__version__}: torch.compile has no {sorted(missing)}; dropped for this run, dynamo's "
-             "recompile limits raised to 256 instead")
-
-
 SECTIONS = {"a": ("kernels", section_kernels), "b": ("CUDA graphs, stale padding", section_graphs),
             "c": ("speed", section_speed), "n": ("CUDA graphs, NaN padding", section_nan)}
 SECTION_ORDER = tuple(SECTIONS)
@@ -1082,7 +1058,7 @@ def main(argv: list[str] | None = None) -> int:
     what = "DRY RUN: Triton interpreter, tiny shapes, no CUDA graphs" if run.mode == "dry" else "GPU"
     log(run, f"gpu_check on {device} ({what}); sections {args.sections}, budget {args.budget_s:.0f} s")
     env = environment(run)
-    compat_torch_compile(run)
+    compat_torch_compile(run.note)
     for key in args.sections:
         name, fn = SECTIONS[key]
         log(run, f"=== section ({key}) {name}: start")

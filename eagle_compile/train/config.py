@@ -41,7 +41,7 @@ _CHOICES = {
 #: Fields that do not change what is computed: they may differ between a run and its resumption.
 RUNTIME_FIELDS = frozenset({
     "output_dir", "feature_cache", "save_every", "keep_checkpoints", "eval_every", "log_every", "progress",
-    "num_threads", "device", "save_dtype", "resume",
+    "num_threads", "device", "save_dtype", "resume", "time_budget_s",
 })
 
 
@@ -86,6 +86,11 @@ class TrainConfig:
 
     Run: a training-state checkpoint every ``save_every`` steps (and when stopped); ``resume`` continues from
     the newest one in ``output_dir`` (with ``resume=False`` an ``output_dir`` holding checkpoints is refused).
+    ``time_budget_s`` caps the wall time of this invocation's training loop: no step starts that would end past
+    it (judged by the previous step's time); the run then ends as a finished one (held-out evaluation, head,
+    ``summary.json`` with ``stopped_by_budget``) at the step it reached. The schedule is still the one of
+    ``max_steps``, so pick ``max_steps`` to fit the budget (benchmarks/gpu_train.py measures it); running the
+    same command again resumes the remaining steps.
     """
 
     # data
@@ -140,6 +145,7 @@ class TrainConfig:
     device: str = "auto"
     save_dtype: str = "float32"
     resume: bool = True
+    time_budget_s: float | None = None
 
     def __post_init__(self) -> None:
         put = self._put
@@ -152,6 +158,8 @@ class TrainConfig:
         for name in ("max_steps", "warmup_steps", "draft_vocab_size", "num_threads", "max_samples"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
+        if self.time_budget_s is not None and not self.time_budget_s > 0:
+            raise OptionsError(f"time_budget_s={self.time_budget_s!r}: give seconds > 0, or None for no budget")
         if not isinstance(self.eval_samples, int) or self.eval_samples < 0:
             raise OptionsError(f"eval_samples={self.eval_samples!r}: give an int >= 0 (0 = no held-out set)")
         if not (self.lr > 0 and 0 <= self.min_lr_ratio <= 1 and self.weight_decay >= 0 and self.grad_clip > 0):

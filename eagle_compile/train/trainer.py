@@ -5,7 +5,8 @@
     step s  batches of plan(epoch(s)) -> TTT forward, L steps -> Σ_i 0.8^i loss_i -> backward
             -> clip -> AdamW -> scheduler -> one metrics line, progress bar
     save    every ``save_every`` steps and when stopped (Ctrl-C / SIGTERM finish the current step first)
-    end     held-out evaluation, the head in the official EAGLE-3 layout, summary.json
+    end     held-out evaluation, the head in the official EAGLE-3 layout, summary.json (also when
+            ``time_budget_s`` stopped the loop early: no step starts that would end past the budget)
 
 Everything a step consumes is a function of (config, step): the epoch plans come from the seed, so a run
 resumed from the checkpoint of step s replays steps s+1.. exactly as an uninterrupted run would.
@@ -110,10 +111,15 @@ class MetricsLog:
 
 
 class Trainer:
-    """One training run. ``target``/``tokenizer``/``samples`` may be given (tests); else they are loaded."""
+    """One training run. ``target``/``tokenizer``/``samples`` may be given (tests); else they are loaded.
+
+    ``extractor`` reuses the `FeatureExtractor` of an earlier run on the same target (same capture indices and
+    batch rows), with the graphs it already captured: a short measuring run before the real one
+    (benchmarks/gpu_train.py) then pays for the target's dynamo captures once.
+    """
 
     def __init__(self, config: TrainConfig, *, target=None, tokenizer=None, samples: list[Sample] | None = None,
-                 target_name: str | None = None) -> None:
+                 target_name: str | None = None, extractor: FeatureExtractor | None = None) -> None:
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
@@ -149,7 +155,7 @@ class Trainer:
         self.vocab_coverage = vocab_coverage(counts, self.model.t2d.cpu())
         self.capture_indices = self.model.config.resolved_capture_indices(int(text_config.num_hidden_layers))
         self.teacher = TeacherHead(self.target, self.model.t2d)
-        self.extractor: FeatureExtractor | None = None
+        self.extractor = self._check_extractor(extractor)
         self.cache: FeatureCache | None = None
         self._plan_epoch: int | None = None
         self._plan_batches: list[list[int]] = []
@@ -168,8 +174,23 @@ class Trainer:
         self.metrics = MetricsLog(self.output_dir / METRICS, self.step)
         (self.output_dir / "train_config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
         self._stop_requested = False
+        self.stopped_by_budget = False
 
     # -- features ------------------------------------------------------------------------------------------
+    def _check_extractor(self, extractor: FeatureExtractor | None) -> FeatureExtractor | None:
+        if extractor is None:
+            return None
+        given = (extractor.target is self.target, tuple(extractor.capture_indices), extractor.rows)
+        wanted = (True, tuple(self.capture_indices), self.config.batch_size)
+        if given != wanted:
+            raise OptionsError(
+                f"extractor= runs {'this' if given[0] else 'another'} target with capture indices "
+                f"{list(given[1])} and {given[2]} rows, but this run needs this target, capture indices "
+                f"{list(wanted[1])} and {wanted[2]} rows (batch_size); pass the extractor of a run with the "
+                "same target, head and batch size, or none"
+            )
+        return extractor
+
     def _extractor(self) -> FeatureExtractor:
         if self.extractor is None:
             self.extractor = FeatureExtractor(self.target, self.capture_indices, rows=self.config.batch_size)
@@ -203,7 +224,8 @@ class Trainer:
         plan = plan_epoch(lengths, cfg.batch_size, cfg.seed, epoch, groups)
         return [[self.train_idx[j] for j in batch] for batch in plan]
 
-    def _step_batches(self, step: int) -> list[list[int]]:
+    def step_batches(self, step: int) -> list[list[int]]:
+        """The batches (sample indices, ``grad_accum`` of them) of optimizer step ``step`` (0-based)."""
         epoch, j = divmod(step, self.steps_per_epoch)
         if self._plan_epoch != epoch:
             self._plan_batches, self._plan_epoch = self._plan(epoch), epoch
@@ -252,17 +274,24 @@ class Trainer:
             return EvalResult(**done) if done else None
         if cfg.feature_mode == "offline":
             self.build_features()
-        self._stop_requested = False
+        self._stop_requested = self.stopped_by_budget = False
+        loop_start, last_step_s = time.perf_counter(), 0.0
         bar = tqdm(total=self.total_steps, initial=self.step, desc=f"train {cfg.preset}", unit="step",
                    disable=not cfg.progress, dynamic_ncols=True)
         with self._stop_on_signal():
             while self.step < self.total_steps and not self._stop_requested:
                 if stop_after is not None and self.step >= stop_after:
                     break
+                if cfg.time_budget_s is not None and (time.perf_counter() - loop_start + last_step_s
+                                                      > cfg.time_budget_s):
+                    self.stopped_by_budget = True
+                    tqdm.write(f"time budget of {cfg.time_budget_s:.0f} s spent at step {self.step} of "
+                               f"{self.total_steps}: ending the run here")
+                    break
                 lr = self.scheduler.get_last_lr()[0]
                 t0 = time.perf_counter()
-                stats = self.train_step(self._step_batches(self.step))
-                elapsed = time.perf_counter() - t0
+                stats = self.train_step(self.step_batches(self.step))
+                elapsed = last_step_s = time.perf_counter() - t0
                 self.step += 1
                 self._log_step(stats, lr, elapsed, bar)
                 if self.step % cfg.save_every == 0:
@@ -271,7 +300,7 @@ class Trainer:
                     self._log_eval(self.evaluate())
         bar.close()
         self.save_checkpoint()
-        if self.step < self.total_steps:
+        if self.step < self.total_steps and not self.stopped_by_budget:
             return None
         result = self.evaluate() if self.eval_idx else None
         if result is not None:
@@ -369,6 +398,8 @@ class Trainer:
         summary = {
             "head": str(self.output_dir / "head"),
             "steps": self.step,
+            "planned_steps": self.total_steps,
+            "stopped_by_budget": self.stopped_by_budget,
             "preset": self.config.preset,
             "flags": self.config.flags,
             "capture_indices": list(self.capture_indices),

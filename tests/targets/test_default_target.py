@@ -100,7 +100,7 @@ def test_conversion_wrote_one_complete_plain_float32_folder(converted):
 @pytest.mark.slow
 def test_second_load_reads_the_cache_not_the_gguf(converted, monkeypatch):
     monkeypatch.setattr(default, "_load_from_gguf", _refuse)
-    monkeypatch.setattr(default, "_locate_gguf", _refuse)  # not even the package is needed now
+    monkeypatch.setattr(default, "locate_gguf", _refuse)  # not even the package is needed now
     monkeypatch.setenv(default.CACHE_ENV, str(converted.cache))  # and the cache is found through the env
     model, tokenizer = load_default_target()
     assert model.config._name_or_path == str(converted.folder)
@@ -169,7 +169,7 @@ def test_other_dtypes_load_from_the_cache(converted, monkeypatch, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.int64, "float32"], ids=repr)
 def test_unsupported_dtype_is_refused_before_any_loading(tmp_path, monkeypatch, dtype):
-    monkeypatch.setattr(default, "_locate_gguf", _refuse)
+    monkeypatch.setattr(default, "locate_gguf", _refuse)
     with pytest.raises(OptionsError, match=r"not supported; pass one of torch\.float32, torch\.float64"):
         load_default_target(dtype, cache_dir=tmp_path)
     assert list(tmp_path.iterdir()) == []

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from eagle_compile.train.card import Stage, write_model_card
+from eagle_compile.train.card import Stage, stage_section, write_model_card
 
 
 def _run(path, *, accuracies, tokens, init_head=None, responses=None):
@@ -45,3 +45,21 @@ def test_card_lists_every_stage_and_takes_the_head_facts_from_the_last(tmp_path)
     assert "| files | 1.0 MiB |" in card and card.rstrip().endswith("Trained on a CPU.")
     with pytest.raises(ValueError, match="at least one"):
         write_model_card(head, [], title="T", limitations="")
+
+
+def test_one_stage_is_the_section_the_card_has_and_a_budget_stop_says_so(tmp_path):
+    """stage_section (a stage to append to a shipped card, e.g. from benchmarks/gpu_train.py) is the card's own
+    section; a run the time budget ended says how many steps were planned."""
+    run = _run(tmp_path / "gpu", accuracies=[0.5], tokens=[100, 200])
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps({**summary, "planned_steps": 9, "stopped_by_budget": True}))
+    stage = Stage(run, "python benchmarks/gpu_train.py pack", "GPU")
+    section = stage_section(stage, 5)
+    assert section.startswith("## Stage 5: GPU\n")
+    assert "| conversations / tokens seen / steps | 100 / 300 / 2 (of 9 planned: the time budget ended the run) |" \
+        in section
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "model.safetensors").write_bytes(b"x")
+    card = write_model_card(head, [stage], title="T", limitations="L").read_text()
+    assert section.replace("## Stage 5", "## Stage 1") in card

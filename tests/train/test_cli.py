@@ -17,8 +17,9 @@ from eagle_compile.train.config import TrainConfig
 def test_options_map_onto_the_config():
     args = build_parser().parse_args(["--eagle3", "--ttt-steps", "5", "--draft-vocab-size", "full",
                                       "--sources", "a,b", "--capture-indices", "1,4,6", "--truncate",
-                                      "--features", "offline", "--no-resume"])
+                                      "--features", "offline", "--no-resume", "--time-budget-s", "90"])
     cfg = config_from_args(args)
+    assert cfg.time_budget_s == 90.0
     assert cfg.preset == "eagle3" and cfg.flags == {"fc_norm": False, "norm_output": False}
     assert cfg.ttt_steps == 5 and cfg.draft_vocab_size is None and cfg.sources == ("a", "b")
     assert cfg.capture_indices == (1, 4, 6) and cfg.truncate and cfg.feature_mode == "offline" and not cfg.resume

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from train_helpers import hand_samples
 from eagle_compile.draft import build_vocab_mapping, load_draft
 from eagle_compile.errors import OptionsError
 from eagle_compile.train import TrainConfig, Trainer
-from eagle_compile.train.features import FeatureBatch, TeacherHead
+from eagle_compile.train.features import FeatureBatch, FeatureExtractor, TeacherHead
 from eagle_compile.train.head import build_head, save_head
 from eagle_compile.train.loss import batch_loss
 from eagle_compile.train.schedule import WarmupCosine, build_optimizer
@@ -179,9 +180,67 @@ def test_bfloat16_target_makes_features_and_the_teacher_keeps_float32_rows(tmp_p
                   grad_accum=1)
     trainer = Trainer(cfg, target=target, samples=hand_samples(8, vocab=96))
     assert trainer.teacher.weight.dtype == torch.float32 and trainer.model.lm_head.weight.dtype == torch.float32
-    fb = trainer.features(trainer._step_batches(0)[0])
+    fb = trainer.features(trainer.step_batches(0)[0])
     assert fb.features.dtype == torch.bfloat16
     result = trainer.train()
     assert result is not None and result.loss > 0 and all(0.0 <= a <= 1.0 for a in result.accuracies)
     with pytest.raises(OptionsError, match="target_dtype"):
         TrainConfig(target_dtype="int8")
+
+
+def _slow_steps(trainer: Trainer, seconds: float) -> None:
+    """Every optimizer step of ``trainer`` takes at least ``seconds``: a budget test must not hang on the speed of
+    the machine."""
+    real_step = trainer.train_step
+
+    def slow(batches):
+        stats = real_step(batches)
+        time.sleep(seconds)
+        return stats
+
+    trainer.train_step = slow
+
+
+def test_time_budget_ends_the_run_as_a_finished_one_and_without_it_every_step_runs(target, tmp_path):
+    """time_budget_s: no step starts that would end past the budget (judged by the previous step's time); the run
+    then ends with evaluation, head and summary at the step it reached. Steps of at least 0.6 s under a 1 s budget:
+    step 1 runs (nothing measured yet), step 2 would end past 1 s. Negative control: the same run without a
+    budget takes all four steps; it reuses the first run's extractor (extractor=), so the target's graph is
+    captured once for both."""
+    samples = hand_samples(12, vocab=96)
+    budgeted = Trainer(_config(tmp_path, "budget", feature_mode="online", max_steps=4, grad_accum=1,
+                               time_budget_s=1.0), target=target, samples=samples)
+    _slow_steps(budgeted, 0.6)
+    result = budgeted.train()
+    assert budgeted.stopped_by_budget and budgeted.step == 1 and result is not None
+    summary = json.loads((tmp_path / "budget" / "summary.json").read_text())
+    assert (summary["steps"], summary["planned_steps"], summary["stopped_by_budget"]) == (1, 4, True)
+    assert summary["eval"]["samples"] == 2
+    load_draft(tmp_path / "budget" / "head", target=target)
+
+    control = Trainer(_config(tmp_path, "control", feature_mode="online", max_steps=4, grad_accum=1),
+                      target=target, samples=samples, extractor=budgeted.extractor)
+    _slow_steps(control, 0.6)
+    control.train()
+    assert not control.stopped_by_budget and control.step == 4
+    assert json.loads((tmp_path / "control" / "summary.json").read_text())["stopped_by_budget"] is False
+    assert control.extractor is budgeted.extractor and control.extractor.graphs_captured == 1
+    with pytest.raises(OptionsError, match="time_budget_s"):
+        TrainConfig(time_budget_s=0)
+
+
+def test_an_extractor_for_another_target_capture_indices_or_batch_size_is_refused(target, tmp_path):
+    samples = hand_samples(12, vocab=96)
+    extractor = FeatureExtractor(target, (2, 4, 5), rows=2)
+
+    def run(match=None, *, other_target=None, **kw):
+        cfg = _config(tmp_path, "extractor", feature_mode="online", **kw)
+        if match is None:
+            return Trainer(cfg, target=target, samples=samples, extractor=extractor)
+        with pytest.raises(OptionsError, match=match):
+            Trainer(cfg, target=other_target or target, samples=samples, extractor=extractor)
+
+    assert run().extractor is extractor
+    run("another target", other_target=tiny_target("llama"))
+    run("capture indices", capture_indices=(1, 2, 3))
+    run("rows", batch_size=3)
