@@ -4,7 +4,8 @@ Loading is strict: every tensor of the file must be a tensor of the head describ
 the shape the config implies) and every tensor of the head must be in the file. The only optional tensors
 are ``embed_tokens.weight`` (the target's table is used when absent), ``d2t``/``t2d`` (identity for a full
 vocabulary; ``t2d`` is derived from ``d2t``) and, when ``draft_vocab_size`` is null and a target is given,
-``lm_head.weight`` (taken from the target, as SGLang does, §1.4). Nothing is dropped silently.
+``lm_head.weight`` (taken from the target, as SGLang does, §1.4). Nothing is dropped silently. Every weight
+must be finite in the dtype it is loaded in, and a file the loaders cannot parse is refused naming it.
 
 Key names: ``midlayer.*`` (official) and ``layers.0.*`` (speculators, vLLM) are the same tensors; a ``model.``
 prefix (NeMo) is removed. Saving writes exactly the layout asked for.
@@ -60,7 +61,10 @@ def load_draft(
 
     layout = "speculators" if ("speculators_model_type" in raw or "speculators_config" in raw) else "eagle3"
     reader = DraftConfig.from_speculators_dict if layout == "speculators" else DraftConfig.from_hf_dict
-    config = reader(raw, num_target_layers)
+    try:
+        config = reader(raw, num_target_layers)
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: {e}") from e
     if config.capture_indices is None:
         raise CheckpointError(
             f"{path / 'config.json'} does not state {CONFIG_KEY} and no target was given, so the capture "
@@ -68,9 +72,10 @@ def load_draft(
             "num_target_layers=N (the EAGLE-3 default (2, N//2, N-3) is then used)."
         )
     if target_cfg is not None:
-        check_target_config(config, target_cfg)
+        check_target_config(config, target_cfg, path / "config.json")
 
-    tensors = _canonical_keys(_read_weights(path))
+    raw_tensors, source = _read_weights(path)
+    tensors = _canonical_keys(raw_tensors)
     embed = tensors.pop("embed_tokens.weight", None)
     d2t, t2d = tensors.pop("d2t", None), tensors.pop("t2d", None)
     if "lm_head.weight" not in tensors and raw.get("draft_vocab_size") is None and target is not None:
@@ -96,8 +101,10 @@ def load_draft(
     model.to(model.lm_head.weight.device)  # the RoPE tables were built on the CPU
     if embed is not None:
         model.tie_target_embedding(embed, owned=True)
+        tensors["embed_tokens.weight"], state["embed_tokens.weight"] = embed, model.embed_tokens.weight
     elif target is not None:
         model.tie_target_embedding(target)
+    _check_finite(source, tensors, state, dtype)
     model.source_dir = path.resolve()
     return model.eval()
 
@@ -165,6 +172,10 @@ def write_draft(path: str | Path, config: Mapping[str, Any], tensors: Mapping[st
 # --------------------------------------------------------------------------------------------------
 def _read_config(path: Path) -> dict[str, Any]:
     file = path / "config.json"
+    if not path.exists():
+        raise CheckpointError(f"draft checkpoint folder {path} does not exist")
+    if path.is_file():
+        raise CheckpointError(f"{path} is a file; pass the folder that holds it and its config.json")
     if not file.is_file():
         raise CheckpointError(
             f"{path} has no config.json; a draft checkpoint is a directory holding config.json and weights"
@@ -178,25 +189,78 @@ def _read_config(path: Path) -> dict[str, Any]:
     return raw
 
 
-def _read_weights(path: Path) -> dict[str, torch.Tensor]:
-    """``model.safetensors`` (or its shards), else ``pytorch_model.bin`` (loaded with weights_only=True)."""
+def _read_weights(path: Path) -> tuple[dict[str, torch.Tensor], str]:
+    """``model.safetensors`` (or its shards), else ``pytorch_model.bin`` (loaded with weights_only=True); and the
+    file(s) read, for messages."""
     from safetensors.torch import load_file
 
     if (path / SAFETENSORS).is_file():
-        return load_file(str(path / SAFETENSORS))
+        return _read_file(path / SAFETENSORS, load_file), str(path / SAFETENSORS)
     if (path / SAFETENSORS_INDEX).is_file():
-        index = json.loads((path / SAFETENSORS_INDEX).read_text())
+        index = _read_index(path / SAFETENSORS_INDEX)
         tensors: dict[str, torch.Tensor] = {}
-        for shard in sorted(set(index["weight_map"].values())):
-            tensors.update(load_file(str(path / shard)))
-        return tensors
+        for shard in sorted(set(index.values())):
+            if not (path / shard).is_file():
+                raise CheckpointError(f"{path / SAFETENSORS_INDEX} names the shard {shard}, which is not in {path}; "
+                                      "download every shard the index lists")
+            tensors.update(_read_file(path / shard, load_file))
+        return tensors, f"the shards of {path / SAFETENSORS_INDEX}"
     if (path / TORCH_BIN).is_file():
-        state = torch.load(path / TORCH_BIN, map_location="cpu", weights_only=True)
+        state = _read_file(path / TORCH_BIN, lambda f: torch.load(f, map_location="cpu", weights_only=True))
         if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
             raise CheckpointError(f"{path / TORCH_BIN} does not hold a flat state dict of tensors")
-        return dict(state)
+        return dict(state), str(path / TORCH_BIN)
     raise CheckpointError(
         f"{path} has no weights: expected {SAFETENSORS}, {SAFETENSORS_INDEX} or {TORCH_BIN} there"
+    )
+
+
+def _read_file(file: Path, load: Any) -> Any:
+    """``load(file)``; a file the loader cannot parse (truncated by an interrupted download, not a weights file)
+    is refused naming it, instead of the loader's bare message (safetensors: "incomplete metadata, file not
+    fully covered"; torch.load of a cut zip: "[Errno 22] Invalid argument")."""
+    try:
+        return load(str(file))
+    except Exception as e:       # the loaders raise their own types (SafetensorError, OSError, UnpicklingError...)
+        raise CheckpointError(
+            f"{file} cannot be read ({file.stat().st_size} bytes; {type(e).__name__}: {e}): the file is truncated "
+            "or corrupt, e.g. an interrupted download; download or save it again"
+        ) from e
+
+
+def _read_index(file: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(file.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{file} is not a safetensors index (a JSON object with a weight_map): {e!r}; "
+                              "download it again") from e
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{file}: weight_map must map tensor names to shard files")
+    return weight_map
+
+
+def _check_finite(source: str, raw: Mapping[str, torch.Tensor], loaded: Mapping[str, torch.Tensor],
+                  dtype: torch.dtype) -> None:
+    """Refuse NaN/inf weights: the head would still load and run, and verification would keep the output exact,
+    but every proposal would be garbage (acceptance silently near zero). Distinguishes a broken file from
+    finite values that overflow the dtype asked for (a float32 head loaded as float16)."""
+    bad = [k for k, v in loaded.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if not bad:
+        return
+    broken = [k for k in bad if not bool(torch.isfinite(raw[k]).all())]
+    if broken:
+        k = broken[0]
+        count = int((~torch.isfinite(raw[k])).sum())
+        also = f" (also NaN/inf: {broken[1:]})" if len(broken) > 1 else ""
+        raise CheckpointError(
+            f"{source}: tensor {k!r} holds {count} NaN/inf values of {raw[k].numel()}{also}; the head is broken "
+            "(a diverged training run or a corrupt file): use another checkpoint or retrain it"
+        )
+    peak = max(float(raw[k].abs().max()) for k in bad)
+    raise CheckpointError(
+        f"{source}: tensors {bad} are finite in the file ({raw[bad[0]].dtype}) but overflow {dtype} (largest "
+        f"|value| {peak:.4g}); load the head with dtype=torch.float32 or torch.bfloat16 (generate loads a folder in "
+        "the target's dtype: run the target in one of those)"
     )
 
 
@@ -268,15 +332,17 @@ def _text_config(target: nn.Module) -> Any:
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
-def check_target_config(config: DraftConfig, target_cfg: Any) -> None:
-    """Refuse a target (its HF config) whose vocabulary or hidden size is not the one the head was made for."""
+def check_target_config(config: DraftConfig, target_cfg: Any, where: Any = "the draft head") -> None:
+    """Refuse a head made for another target (its HF config): its embedding table (vocabulary) and its fc input
+    (the target's hidden size) would not fit, which otherwise fails deep inside the first draft forward.
+    ``where`` names the head (its config.json) in the message."""
     if int(target_cfg.vocab_size) != config.vocab_size:
         raise CheckpointError(
-            f"the draft head was trained for a target vocabulary of {config.vocab_size} ids but this target "
-            f"has vocab_size {target_cfg.vocab_size}; use the head made for this target"
+            f"{where}: the draft head was trained for a target vocabulary of {config.vocab_size} ids but this "
+            f"target has vocab_size {target_cfg.vocab_size}; use the head made for this target"
         )
     if int(target_cfg.hidden_size) != config.target_hidden_size:
         raise CheckpointError(
-            f"the draft head expects target features of width {config.target_hidden_size} but this target "
-            f"has hidden_size {target_cfg.hidden_size}; use the head made for this target"
+            f"{where}: the draft head expects target features of width {config.target_hidden_size} but this "
+            f"target has hidden_size {target_cfg.hidden_size}; use the head made for this target"
         )

@@ -10,7 +10,8 @@ EAGLE31_SPEC.md §1-§3 and §9 decide every key here. Two layouts exist on disk
   ``norm_before_residual`` means ``True`` there (§2.4, §9.2).
 
 Both readers fill absent Llama fields with the defaults of transformers' ``LlamaConfig`` (what vLLM, SGLang
-and speculators get for the same file), so ``rope_theta`` defaults to 10000 (§1.5, §9.5).
+and speculators get for the same file), so ``rope_theta`` defaults to 10000 (§1.5, §9.5); the one exception is
+an official config without ``num_hidden_layers``, which is the one-layer head the official loader builds.
 
 ``eagle_aux_hidden_state_layer_ids`` always has capture-index semantics (``eagle_compile.capture_indices``):
 it is read top level first, then from a nested ``eagle_config``, and written at the top level only (SGLang
@@ -280,6 +281,7 @@ class DraftConfig:
                     f"config.json sets {key}: true; draft heads with biased fc/MLP layers are not supported"
                 )
         fields = _llama_fields(d, "config.json")
+        fields["num_hidden_layers"] = _official_layers(d.get("num_hidden_layers"))
         eagle = d.get("eagle_config") if isinstance(d.get("eagle_config"), Mapping) else {}
         flags = {}
         for name in FLAGS:
@@ -483,6 +485,21 @@ def _llama_fields(d: Mapping[str, Any], where: str) -> dict[str, Any]:
         "max_position_embeddings": lc.max_position_embeddings,
         "attention_bias": bool(lc.attention_bias),
     }
+
+
+def _official_layers(stated: Any) -> int:
+    """The layer count of an official-layout head: one. SafeAILab EAGLE's EAGLE-3 draft (``eagle/model/cnets.py``,
+    ``Model``) builds a single ``midlayer`` whatever ``num_hidden_layers`` says, so its configs may leave the key
+    out; ``LlamaConfig``'s default (32) would describe layers the file does not have. A stated count other than
+    1 is refused: this head has one layer and the official layout no key for more."""
+    if stated is None or stated == 1:
+        return 1
+    raise CheckpointError(
+        f"config.json states num_hidden_layers: {stated!r}, but an official-layout EAGLE-3 head has exactly one "
+        "decoder layer (midlayer.*, with 2H-wide attention inputs); the official loader builds that one layer "
+        "whatever the key says. If the weights hold midlayer.* (or layers.0.*) tensors only, set "
+        "num_hidden_layers to 1 (or remove it); multi-layer drafts (layers.1.* and up) are not supported"
+    )
 
 
 def _capture_from(

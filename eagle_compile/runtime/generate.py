@@ -237,13 +237,15 @@ def _tree_shape(model, draft, opts: EagleOptions) -> tuple[TreeShape, str]:
 
 
 def _drafter(model, draft) -> tuple[Drafter, tuple[int, ...] | None]:
-    if isinstance(draft, (str, Path)):
-        from eagle_compile.draft.checkpoint import load_draft
+    from eagle_compile.draft.checkpoint import check_target_config, load_draft
 
+    if isinstance(draft, (str, Path)):
         dtype = next(model.parameters()).dtype
         draft = load_draft(draft, target=model, dtype=dtype, device=next(model.parameters()).device)
     if hasattr(draft, "new_state") and hasattr(draft, "top_k"):
         return draft, getattr(draft, "capture_indices", None)
+    where = getattr(draft, "source_dir", None) or f"the {type(draft).__name__} given as draft="
+    check_target_config(draft.config, model.config.get_text_config(), where)
     if draft.embed_tokens.weight is None:
         draft.tie_target_embedding(model)      # EAGLE-3 heads share the target's (frozen) embedding table
     head = EagleDrafter(draft)
