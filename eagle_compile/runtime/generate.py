@@ -98,7 +98,7 @@ def generate(model, input_ids: torch.Tensor | None = None, logits_processor=None
     _refuse_unsupported_outputs(generation_config)
     _check_processors(logits_processor)
     sampling = SamplingParams.from_generation_config(generation_config)
-    prompts, attention_mask = _split_rows(input_ids, attention_mask)
+    prompts, attention_mask = _split_rows(model, input_ids, attention_mask)
     stopper = _stopper(model, prompts, input_ids.shape[1], generation_config, stopping_criteria, tokenizer,
                        streamer)
     decoder = _decoder(model, draft if draft is not None else opts.draft, opts)
@@ -139,24 +139,54 @@ def _check_processors(logits_processor) -> None:
             )
 
 
-def _split_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
-    if input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] == 0:
-        raise ValueError("input_ids must be a non-empty [batch, length] tensor of token ids")
+def _split_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
+    """Each row's unpadded prompt, once the ids and the mask are known to be ones the programs can run.
+
+    Refused here, before any program runs: an id outside the target's embedding table fails deep inside the
+    captured forward (an IndexError on CPU, a device-side assert that ends the CUDA context on a GPU), and
+    float or bool ids would be silently cast (`.long()` rounds 3.7 to 3, reads True as 1). Ids under
+    attention_mask 0 are never read, so padding may hold any id (-1, -100, ...).
+    """
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or 0 in input_ids.shape:
+        seen = f"shape {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor) else repr(input_ids)
+        raise ValueError(f"input_ids must be a non-empty [batch, length] tensor of token ids, got {seen}; for one "
+                         "prompt of shape [length] pass input_ids[None] (tokenizers give [1, length] with "
+                         "return_tensors='pt')")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids has dtype {input_ids.dtype}; token ids must be an integer tensor (torch.long, "
+                         "as tokenizers return them): pass the tokenizer's ids, not embeddings, scores or a mask")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     if attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} differs from input_ids "
-                         f"{tuple(input_ids.shape)}")
+                         f"{tuple(input_ids.shape)}; pass the mask the tokenizer returned with these ids")
+    _check_vocabulary(model, input_ids, attention_mask.bool())
     prompts = []
-    for row, m in zip(input_ids, attention_mask, strict=True):
+    for b, (row, m) in enumerate(zip(input_ids, attention_mask, strict=True)):
         keep = m.bool()
         idx = keep.nonzero()[:, 0]
         if idx.numel() == 0:
-            raise ValueError("a batch row has an all-zero attention_mask (empty prompt)")
+            raise ValueError(f"row {b} has an all-zero attention_mask (an empty prompt); drop the row or give it "
+                             "at least one token")
         if int(idx[-1] - idx[0] + 1) != idx.numel():
-            raise ValueError("attention_mask has holes inside a row; only left or right padding is supported")
+            raise ValueError(f"attention_mask row {b} has holes; only left or right padding is supported")
         prompts.append(row[keep].long())
     return prompts, attention_mask
+
+
+def _check_vocabulary(model, input_ids: torch.Tensor, live: torch.Tensor) -> None:
+    """Refuse ids outside [0, V) at positions the mask keeps (V: rows of the target's input embedding)."""
+    embedding = model.get_input_embeddings()
+    vocab = embedding.num_embeddings if embedding is not None else model.config.get_text_config().vocab_size
+    bad = live & ((input_ids < 0) | (input_ids >= vocab))
+    if not bool(bad.any()):                     # one host read for the whole batch
+        return
+    rows, cols = bad.nonzero(as_tuple=True)
+    b, i = int(rows[0]), int(cols[0])
+    others = f" ({len(rows)} such ids, in rows {sorted(set(rows.tolist()))})" if len(rows) > 1 else ""
+    raise ValueError(f"input_ids[{b}, {i}] = {int(input_ids[b, i])} (row {b}, position {i}) is not a token id of "
+                     f"this target: its vocabulary is [0, {vocab}){others}. Tokenize with the target's own "
+                     "tokenizer; padding may hold any id where attention_mask is 0")
 
 
 def _stopper(model, prompts, padded_len, gc: GenerationConfig, stopping_criteria, tokenizer,
