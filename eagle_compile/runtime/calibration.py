@@ -10,8 +10,9 @@ call and cycle:
    When the longest row crosses into the next context bucket, that bucket's costs are fetched the same way.
 2. **Choice.** `CalibrationPolicy.decide` picks the program; the rows that draft and the node floor are copied
    into the row state (masking inside the program, shapes stay static).
-3. **Outcome.** One host read per cycle carries the accepted lengths, the emitted tokens and the per-depth
-   draft confidence (packed into one int64 tensor); estimates and the confidence map are updated from it.
+3. **Outcome.** One host read per cycle carries the accepted lengths, the emitted tokens, whether the target's
+   logits were usable and the per-depth draft confidence (packed into one int64 tensor, `step.read_cycle`);
+   estimates and the confidence map are updated from it, leaving out rows that met NaN/+inf logits.
 4. **Re-sync.** A plain step leaves the draft behind by one token; its target features are kept on the device,
    and before the next speculative cycle one catch-up forward over all of them brings the draft's KV and seeds
    up to date (EAGLE catch-up, EAGLE31_SPEC.md §4.1): the draft never runs during fallback.
@@ -39,7 +40,7 @@ from eagle_compile.calibrate.menu import MenuEntry, copy_family, families
 from eagle_compile.calibrate.policy import CalibrationPolicy
 from eagle_compile.core.masks import SlotMask
 from eagle_compile.core.verify import draw_uniforms
-from eagle_compile.runtime.step import StepState, catch_up
+from eagle_compile.runtime.step import CycleRead, StepState, catch_up, read_cycle
 
 _CONF_SCALE = 1 << 24          # confidence in [0, 1] packed as an int64 beside the tokens: one host read
 RESYNC_COLUMNS = 64            # re-sync the draft after this many plain steps even in fallback (bounds memory)
@@ -174,19 +175,17 @@ class Calibration:
     # -- per cycle --------------------------------------------------------------------------------------------
     def cycle(self, state: StepState, cache, draft_kv, sampling, generator, active: torch.Tensor,
               longest: int, matched: torch.Tensor | None = None
-              ) -> tuple[list[int], list[list[int]], list[int] | None, MenuEntry]:
-        """Run one cycle; returns (accepted lengths, emitted tokens per row, tokens accepted from the copy branch
-        per row or None, the program run). `matched` [B]: the n-gram length each row's copy-branch lookup matched
-        (0: none; None: no copy branch)."""
+              ) -> tuple[CycleRead, MenuEntry]:
+        """Run one cycle; returns its host read and the program run. `matched` [B]: the n-gram length each row's
+        copy-branch lookup matched (0: none; None: no copy branch). A row whose block met NaN/+inf logits
+        teaches the estimates nothing."""
         d = self.decoder
         self.ensure_costs(longest, state, cache, draft_kv, sampling)
         decision = self.policy.decide(self._costs, self.estimates, active, matched)
         entry = decision.entry
         if entry.shape is None:
             out = self._plain(state, cache, draft_kv, sampling, generator, active)
-            packed = out.tokens
-            read = packed.tolist()                        # the one host read of the cycle
-            return [0] * len(read), read, None, entry
+            return read_cycle(out), entry                 # the one host read of the cycle
         self.resync(state, draft_kv, cache.slots)
         state.drafting.copy_(decision.drafting.to(state.drafting.device))
         state.floor.fill_(self.confidence.floor(self.settings.min_accept))
@@ -195,14 +194,11 @@ class Calibration:
                                         device=state.n.device)
         state.active.copy_(active)
         out = d.step_for(sampling, entry)(state, cache, draft_kv, uniforms, final)
-        conf = (out.confidence.float().clamp(0, 1) * _CONF_SCALE).round().long()
-        parts = [out.accept_len[:, None], out.tokens, conf] + ([out.copied[:, None]] if shape.copy else [])
-        read = torch.tensor(torch.cat(parts, 1).tolist(), dtype=torch.long)    # the one host read of the cycle
-        span, depth = shape.span, shape.depth
-        accept_len, tokens = read[:, 0], read[:, 1:span + 2]
-        conf = read[:, span + 2:span + 2 + depth].double() / _CONF_SCALE
-        copied = read[:, -1].tolist() if shape.copy else None
-        ran = active & decision.drafting
+        conf = (out.confidence.float().nan_to_num(0.0).clamp(0, 1) * _CONF_SCALE).round().long()
+        read = read_cycle(out, conf)                      # the one host read of the cycle
+        depth = shape.depth
+        accept_len = torch.tensor(read.accept_len)
+        ran = active & decision.drafting & torch.tensor(read.healthy)
         if self.drift is not None and out.drift is not None:
             self.drift.add(out.drift, ran)
         if entry.copy_only and matched is not None:    # per match length; rows with no match say nothing
@@ -212,11 +208,11 @@ class Calibration:
         else:
             self.estimates.update(entry.family, entry.depth, accept_len, ran)
         if depth:                                  # the map is the draft's: leave out paths the copy branch won
-            drafted = ran if copied is None else ran & (read[:, -1] == 0)
-            self.confidence.update(conf, accept_len.clamp(max=depth), depth, drafted)
+            drafted = ran if read.copied is None else ran & (torch.tensor(read.copied) == 0)
+            self.confidence.update(read.extra.double() / _CONF_SCALE, accept_len.clamp(max=depth), depth, drafted)
         if decision.probe and self.policy.in_fallback:
             self.policy.after_probe(self._costs, self.estimates, active, matched)
-        return accept_len.tolist(), tokens.tolist(), copied, entry
+        return read, entry
 
     def _plain(self, state, cache, draft_kv, sampling, generator, active):
         d = self.decoder

@@ -46,6 +46,11 @@ class BucketBuffers:
                 dst.copy_(src)
         return self.state
 
+    def clear_rows(self, rows: list[int]) -> None:
+        """Zero these rows of both KV caches (rows that met NaN/+inf logits; see `SpeculativeDecoder`)."""
+        for t in _cache_tensors(self.cache, self.draft_kv):
+            t[rows] = 0
+
 
 class CudaGraphRuntime:
     """torch.cuda's graph API as `GraphedStep` uses it: side-stream warm-up, capture into one shared pool."""
@@ -96,7 +101,7 @@ class GraphedStep:
         buffers.final_uniform.copy_(final_uniform)
         graph.replay()
         self.replays += 1
-        return StepOutput(accept_len=out.accept_len.clone(), tokens=out.tokens.clone())
+        return StepOutput(accept_len=out.accept_len.clone(), tokens=out.tokens.clone(), finite=out.finite.clone())
 
     def _capture(self, b: BucketBuffers, key: tuple[int, int]):
         def run() -> StepOutput:
@@ -118,11 +123,16 @@ def _fields(state: StepState) -> tuple[torch.Tensor, ...]:
 
 def buffer_tensors(b: BucketBuffers) -> list[torch.Tensor]:
     """Every tensor a step reads and rewrites in place: the row state, the target's and the draft's KV."""
-    out = list(_fields(b.state))
-    for layer in b.cache.layers:
+    return list(_fields(b.state)) + _cache_tensors(b.cache, b.draft_kv)
+
+
+def _cache_tensors(cache, draft_kv) -> list[torch.Tensor]:
+    """The K/V buffers `[B, Hkv, S, hd]` of the target cache and of the draft's (a drafter without one: none)."""
+    out = []
+    for layer in cache.layers:
         out += [layer.keys, layer.values]
-    if b.draft_kv is not None:
-        out += [b.draft_kv.keys, b.draft_kv.values]
+    if getattr(draft_kv, "keys", None) is not None:
+        out += [draft_kv.keys, draft_kv.values]
     return out
 
 

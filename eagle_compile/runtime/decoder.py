@@ -12,7 +12,8 @@ pairs (feature at p, token p+1) for p = 0..n-2 (EAGLE31_SPEC.md §4.1). One cycl
     n += a + 1
 
 With `speculate=False` a cycle is one plain step (`runtime/plain_step.py`) and nothing of the draft runs.
-The host reads only `accept_len` and the emitted tokens once per cycle (to apply stops and feed a streamer).
+The host reads only `accept_len`, the emitted tokens and `finite` (how many of them usable logits decided) once
+per cycle, to apply stops, feed a streamer and end a row whose logits went NaN/+inf.
 With a copy branch (`draft/lookup.py`) the host also looks each row's last tokens up in its own history before
 the cycle (from the tokens that read brought back) and hands the proposals to the step in `StepState.copy`.
 
@@ -49,7 +50,16 @@ from eagle_compile.runtime.plain_step import PlainStep
 from eagle_compile.runtime.prefill_plan import prefill_plan
 from eagle_compile.runtime.sampling import SamplingParams, target_probs
 from eagle_compile.runtime.stats import GenerationStats
-from eagle_compile.runtime.step import SpeculativeStep, StepState, catch_up, fill_draft, traced_target_forward
+from eagle_compile.runtime.step import (
+    CycleRead,
+    SpeculativeStep,
+    StepState,
+    catch_up,
+    fill_draft,
+    read_cycle,
+    traced_target_forward,
+    usable_logits,
+)
 from eagle_compile.runtime.step_program import StepProgram
 from eagle_compile.runtime.stopping import StopChecker
 from eagle_compile.runtime.target_program import TargetProgram
@@ -155,7 +165,7 @@ class SpeculativeDecoder:
         timings_before = dict(self.timings)
         replays_before = graphed.replays if graphed else 0
         t0 = time.perf_counter()
-        state = self._prefill(prompts, cache, draft_kv, sampling, generator, stopper, active)
+        state = self._prefill(prompts, cache, draft_kv, sampling, generator, stopper, active, stats)
         stats.prefill_time = time.perf_counter() - t0
         if graphed:
             state = buffers.hold(state)
@@ -181,6 +191,8 @@ class SpeculativeDecoder:
             stats.cuda_graph_replays = graphed.replays - replays_before
         if self.drift is not None:
             stats.drift = self.drift.read()
+        if stats.errors:
+            self._report_errors(stats, buffers)
         stats.new_tokens = sum(len(g) for g in stopper.generated)
         for phase, seconds in self.timings.items():
             setattr(stats, f"{phase}_time", seconds - timings_before.get(phase, 0.0))
@@ -254,7 +266,7 @@ class SpeculativeDecoder:
         return math.ceil(need / mult) * mult
 
     # -- prefill ---------------------------------------------------------------------------------------------
-    def _prefill(self, prompts, cache, draft_kv, sampling, generator, stopper, active) -> StepState:
+    def _prefill(self, prompts, cache, draft_kv, sampling, generator, stopper, active, stats) -> StepState:
         """Chunked prefill through the captured program (each chunk a causal block over the live slots), the
         draft's catch-up over each chunk right after it, the first token, then the catch-up of each row's last
         prompt position (whose next token is that first token)."""
@@ -287,10 +299,15 @@ class SpeculativeDecoder:
             if self.speculate:                             # draft KV of pairs (feature p, token p+1), p < last
                 fill_draft(self.drafter, draft_kv, cache.slots, feats, tokens[:, start + 1:start + size + 1],
                            torch.full_like(lengths, start), torch.minimum(last - 1, pos[:, -1]))
-        first = self._sample_one(last_logits, sampling, generator)      # [B]
+        first, usable = self._sample_one(last_logits, sampling, generator)      # [B] each
+        read = torch.stack([first, usable.long()], 1).tolist()         # the prefill's one host read
         for b in range(len(stopper.generated)):
-            if bool(active[b]):
-                stopper.extend(b, [int(first[b])])
+            if not bool(active[b]):
+                continue
+            if read[b][1]:
+                stopper.extend(b, [read[b][0]])
+            else:
+                self._poisoned(b, [], stopper, active, stats, "the prefill")
         seed_fb = seed_head = torch.zeros(batch, 0, dtype=last_feats.dtype, device=device)
         if self.speculate:                                               # the pair (feature at last, first token)
             seed_fb, seed_head = catch_up(self.drafter, draft_kv, cache.slots, last_feats[:, None], first[:, None],
@@ -311,24 +328,19 @@ class SpeculativeDecoder:
             out = self._steps[("graphed", sampling)](buffers, uniforms, final_uniform)
         else:
             out = self._step(sampling)(state, cache, draft_kv, uniforms, final_uniform)
+        read = read_cycle(out)                        # the one host read of the cycle
         if self.drift is not None and out.drift is not None:
-            self.drift.add(out.drift, active)
-        parts = [out.accept_len[:, None], out.tokens] + ([] if out.copied is None else [out.copied[:, None]])
-        read = torch.cat(parts, 1).tolist()           # the one host read of the cycle
-        accept_len = [r[0] for r in read]
-        emitted = [r[1:depth + 2] for r in read]
-        copied = None if out.copied is None else [r[-1] for r in read]
+            self.drift.add(out.drift, active & torch.tensor(read.healthy))
         stats.step_time += time.perf_counter() - t0
-        self._emit(accept_len, emitted, stopper, active, stats, copied)
+        self._emit(read, stopper, active, stats)
 
     def _calibrated_cycle(self, state, cache, draft_kv, sampling, generator, stopper, active, stats, lengths):
         t0 = time.perf_counter()
         longest = max(lengths[b] + len(g) for b, g in enumerate(stopper.generated) if bool(active[b]))
         matched = self.fill_copy(state, stopper, active) if self.lookup is not None else None
-        accept_len, emitted, copied, _ = self.calibration.cycle(state, cache, draft_kv, sampling, generator,
-                                                                active, longest, matched)
+        read, _ = self.calibration.cycle(state, cache, draft_kv, sampling, generator, active, longest, matched)
         stats.step_time += time.perf_counter() - t0
-        self._emit(accept_len, emitted, stopper, active, stats, copied)
+        self._emit(read, stopper, active, stats)
 
     def fill_copy(self, state: StepState, stopper: StopChecker, active: torch.Tensor) -> torch.Tensor:
         """The copy branch's proposals for this cycle into `state.copy`; returns [B] the length of the n-gram
@@ -339,25 +351,54 @@ class SpeculativeDecoder:
         state.copy.copy_(torch.tensor(proposals, dtype=torch.long))
         return torch.tensor(ngram, dtype=torch.long)
 
-    def _emit(self, accept_len: list[int], emitted: list[list[int]], stopper: StopChecker, active: torch.Tensor,
-              stats: GenerationStats, copied: list[int] | None = None) -> None:
-        """Hand each active row its accepted tokens and bonus token; rows the stop checker ends go inactive.
+    def _emit(self, read: CycleRead, stopper: StopChecker, active: torch.Tensor, stats: GenerationStats) -> None:
+        """Hand each active row its accepted tokens and bonus token; rows the stop checker ends go inactive, and
+        so do rows whose block was decided by NaN/+inf logits (`StepOutput.finite`).
         Counts the tokens accepted from the copy branch and the emitted tokens outside the draft vocabulary."""
         vocab = self.draft_vocabulary()
+        copied = read.copied
         for b in range(len(stopper.generated)):
-            if bool(active[b]):
-                block = emitted[b][:accept_len[b] + 1]
-                stats.acceptance_lengths.append(accept_len[b] + 1)
-                if copied is not None:
-                    stats.copied_tokens += copied[b]
-                if vocab is not None:
-                    stats.outside_draft_vocab = (stats.outside_draft_vocab or 0) + sum(t not in vocab for t in block)
-                    if copied is not None:      # a copied run is the block's first copied[b] tokens
-                        stats.copied_outside_draft_vocab = ((stats.copied_outside_draft_vocab or 0)
-                                                            + sum(t not in vocab for t in block[:copied[b]]))
-                if stopper.extend(b, block):
-                    active[b] = False
+            if not bool(active[b]):
+                continue
+            block = read.tokens[b][:read.accept_len[b] + 1]
+            if read.finite[b] < len(block):
+                self._poisoned(b, block[:read.finite[b]], stopper, active, stats, f"cycle {stats.cycles + 1}")
+                continue
+            stats.acceptance_lengths.append(len(block))
+            if copied is not None:
+                stats.copied_tokens += copied[b]
+            if vocab is not None:
+                stats.outside_draft_vocab = (stats.outside_draft_vocab or 0) + sum(t not in vocab for t in block)
+                if copied is not None:      # a copied run is the block's first copied[b] tokens
+                    stats.copied_outside_draft_vocab = ((stats.copied_outside_draft_vocab or 0)
+                                                        + sum(t not in vocab for t in block[:copied[b]]))
+            if stopper.extend(b, block):
+                active[b] = False
         stats.cycles += 1
+
+    @staticmethod
+    def _poisoned(row: int, kept: list[int], stopper: StopChecker, active: torch.Tensor, stats: GenerationStats,
+                  where: str) -> None:
+        """End a row whose target logits went NaN/+inf: it keeps the tokens decided before them (`kept`) and its
+        statistics say why it ended. Rows never share a cache row, so the others decode on as if alone."""
+        active[row] = False
+        if stopper.extend(row, kept):
+            return                        # a stop (EOS, max_new_tokens, ...) came first: the row ended normally
+        n = len(stopper.generated[row])
+        stats.errors[row] = (f"the target's logits were NaN or +inf for new token {n + 1} (in {where}); the row "
+                             f"stopped there and keeps its {n} new tokens before it. Usual causes: NaN/inf in the "
+                             "target's weights, float16 overflow in its activations (run it in bfloat16 or float32), "
+                             "or a corrupt embedding row of a token the row read")
+
+    def _report_errors(self, stats: GenerationStats, buffers: BucketBuffers | None) -> None:
+        """Say once that rows ended early (a caller without return_dict_in_generate sees only padding), and zero
+        their rows of the static buffers that outlive the call (`cudagraphs`): a NaN left in a slot that a later
+        call masks out would still poison it, since a masked weight is 0 and 0 * NaN is NaN."""
+        if buffers is not None:
+            buffers.clear_rows(sorted(stats.errors))
+        warnings.warn(f"generate: rows {sorted(stats.errors)} stopped early because the target's logits went NaN "
+                      "or +inf (their reasons are in stats.errors, return_dict_in_generate=True); the other rows "
+                      "are unaffected", RuntimeWarning, stacklevel=5)   # the caller of eagle_compile.generate
 
     def draft_vocabulary(self) -> set[int] | None:
         """Target ids the draft can propose (None: plain decoding, or a drafter that does not say)."""
@@ -365,12 +406,16 @@ class SpeculativeDecoder:
             self._draft_vocab = set(self.drafter.target_vocab().tolist())
         return self._draft_vocab
 
-    def _sample_one(self, logits: torch.Tensor, sampling: SamplingParams, generator) -> torch.Tensor:
-        """The first new token, from the prefill's last logits [B, V] (float32, as HF casts them)."""
+    def _sample_one(self, logits: torch.Tensor, sampling: SamplingParams, generator
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first new token, from the prefill's last logits [B, V] (float32, as HF casts them), and [B] bool:
+        those logits were usable (`usable_logits`). Unusable rows draw from zeros instead: torch.multinomial
+        refuses a whole batch for one row of NaN probabilities."""
+        usable = usable_logits(logits)
         if not sampling.do_sample:
-            return logits.argmax(-1)
-        probs = target_probs(logits, sampling)
-        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+            return logits.argmax(-1), usable
+        probs = target_probs(torch.where(usable[:, None], logits, 0.0), sampling)
+        return torch.multinomial(probs, 1, generator=generator)[:, 0], usable
 
 
 def cache_slots_needed(longest: int, max_new: int, prefill_chunk: int, shape: TreeShape | None,

@@ -19,7 +19,7 @@ import torch
 from eagle_compile.core.masks import SlotMask
 from eagle_compile.core.verify import inverse_cdf
 from eagle_compile.runtime.sampling import SamplingParams, target_probs
-from eagle_compile.runtime.step import StepOutput, StepState, TargetForward
+from eagle_compile.runtime.step import StepOutput, StepState, TargetForward, usable_logits
 
 
 class PlainStep:
@@ -38,10 +38,11 @@ class PlainStep:
         logits, feats = self.target_forward(state.root[:, None], base[:, None], SlotMask.causal(base, cache.slots),
                                             write, cache)
         token = self._next(logits[:, 0].float(), final_uniform)             # [B]
+        usable = usable_logits(logits[:, 0])                                 # [B]
         state.root.copy_(torch.where(state.active, token, state.root))
         state.n.copy_(torch.where(state.active, state.n + 1, state.n))
         return StepOutput(accept_len=torch.zeros_like(base), tokens=token[:, None],
-                          features=feats if self.keep_features else None)
+                          features=feats if self.keep_features else None, finite=usable.long())
 
     def _next(self, logits: torch.Tensor, final_uniform: torch.Tensor) -> torch.Tensor:
         if not self.sampling.do_sample:

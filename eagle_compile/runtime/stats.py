@@ -10,7 +10,11 @@ from dataclasses import dataclass, field
 class GenerationStats:
     """`acceptance_lengths`: tokens emitted per row per cycle (accepted draft tokens + 1 bonus), before stops
     cut a block. `tau` is their mean. Times are wall-clock seconds measured on the host around device work that
-    ends in a host read (the per-cycle read of the accepted tokens), so they are complete on CUDA too."""
+    ends in a host read (the per-cycle read of the accepted tokens), so they are complete on CUDA too.
+
+    `errors` names the rows that ended early because the target's logits went NaN or +inf: such a row keeps the
+    tokens decided before them and is padded like a finished row; its poisoned cycle is not counted in
+    `acceptance_lengths`. The other rows are exactly what they would be decoded alone."""
 
     tree: dict = field(default_factory=dict)          # shape and where it came from ("source")
     speculate: bool = True                            # False: plain decoding (one target forward per token)
@@ -33,6 +37,7 @@ class GenerationStats:
     copied_tokens: int = 0                            # accepted tokens proposed by the copy branch
     outside_draft_vocab: int | None = None            # emitted tokens the draft vocabulary (d2t) cannot propose
     copied_outside_draft_vocab: int | None = None     # ... of them accepted from the copy branch (None: unknown)
+    errors: dict[int, str] = field(default_factory=dict)   # {row: why it ended early} (NaN/+inf target logits)
 
     @property
     def tau(self) -> float:
@@ -51,4 +56,4 @@ class GenerationStats:
                 "notes": self.notes, "calibration": self.calibration,
                 "calibration_time": self.calibration_time, "drift": self.drift,
                 "copied_tokens": self.copied_tokens, "outside_draft_vocab": self.outside_draft_vocab,
-                "copied_outside_draft_vocab": self.copied_outside_draft_vocab}
+                "copied_outside_draft_vocab": self.copied_outside_draft_vocab, "errors": self.errors}

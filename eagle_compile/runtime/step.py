@@ -13,6 +13,7 @@ needed, which the `tap_features` pass resolves to the residual streams that `loc
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,6 +53,36 @@ class StepOutput:
     features: torch.Tensor | None = None     # [B, 1, A*Ht] a plain step's target features (draft re-sync)
     drift: torch.Tensor | None = None        # [B, 4, D] drift monitors (draft/drift.py NAMES), when collected
     copied: torch.Tensor | None = None       # [B] accepted tokens that came from the copy branch
+    finite: torch.Tensor | None = None       # [B] leading emitted tokens decided by usable logits (finite_prefix)
+
+
+@dataclass
+class CycleRead:
+    """A cycle's outcome on the host (`read_cycle`), per row: `StepOutput`'s fields as Python values."""
+
+    accept_len: list[int]
+    tokens: list[list[int]]      # emitted: accepted draft tokens, the bonus token at index accept_len, -1 after
+    finite: list[int]
+    copied: list[int] | None
+    extra: torch.Tensor | None   # [B, E] int64 on the CPU: the caller's own columns
+
+    @property
+    def healthy(self) -> list[bool]:
+        """Rows whose whole emitted block was decided by usable logits."""
+        return [f > a for f, a in zip(self.finite, self.accept_len, strict=True)]
+
+
+def read_cycle(out: StepOutput, extra: torch.Tensor | None = None) -> CycleRead:
+    """The cycle's one host read: every per-row result of `out` (and `extra` [B, E] int64) packed into one int64
+    tensor, so the host synchronises once per cycle whatever it reads."""
+    columns = [out.accept_len[:, None], out.finite[:, None], out.tokens]
+    columns += ([] if out.copied is None else [out.copied[:, None]]) + ([] if extra is None else [extra])
+    read = torch.cat(columns, 1).cpu()
+    t = 2 + out.tokens.shape[1]
+    c = t + (out.copied is not None)
+    return CycleRead(accept_len=read[:, 0].tolist(), finite=read[:, 1].tolist(), tokens=read[:, 2:t].tolist(),
+                     copied=None if out.copied is None else read[:, t].tolist(),
+                     extra=None if extra is None else read[:, c:])
 
 
 @torch.library.custom_op("eagle31::feature_taps", mutates_args=())
@@ -146,12 +177,34 @@ class SpeculativeStep:
         copied = torch.where(acc.path[:, 1] >= shape.total_tokens, a, 0) if shape.copy else None
         return StepOutput(accept_len=a, tokens=acc.tokens, confidence=confidence,
                           drift=None if probe is None else probe.stacked(shape.depth, state.seed_feedback),
-                          copied=copied)
+                          copied=copied, finite=finite_prefix(logits, acc.path))
 
     def _verify(self, tree, logits, uniforms, final_uniform):
         if not self.sampling.do_sample:
             return verify_greedy(tree, logits)
         return verify_sample(tree, target_probs(logits, self.sampling), uniforms, final_uniform)
+
+
+def usable_logits(logits: torch.Tensor) -> torch.Tensor:
+    """[...] bool over `logits [..., V]`: no NaN and no +inf (NaN < inf is False, as is +inf < inf). -inf is a
+    token of probability 0, which a model may output on purpose."""
+    return (logits < math.inf).all(-1)
+
+
+def finite_prefix(logits: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
+    """[B] how many of a cycle's emitted tokens were decided by usable target logits. Emitted token j comes from
+    the logits at path node j (greedy: their argmax; sampling: the distribution it is accepted or drawn from),
+    so the count is the leading run of usable path nodes (finite logits are right: a masked slot adds 0 times a
+    finite value). A healthy row gives `P`. Nodes off the path decide nothing, but one whose K/V went NaN still
+    poisons every node of its row in the same forward (a masked attention weight is 0, and 0 * NaN is NaN): a
+    row whose draft proposes a token with a NaN forward ends too, where plain decoding would have gone on.
+
+    Args:
+        logits: [B, M, V] the target's logits at the forward's nodes (only the path's are read).
+        path: [B, P] the nodes whose logits decided the emitted tokens (`Acceptance.path`).
+    """
+    at_path = logits.gather(1, path[:, :, None].expand(-1, -1, logits.shape[-1]))     # [B, P, V]
+    return usable_logits(at_path).long().cumprod(1).sum(1)
 
 
 def depth_confidence(tree) -> torch.Tensor:

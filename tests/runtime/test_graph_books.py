@@ -50,8 +50,8 @@ class _Replay:
 
     def replay(self) -> None:
         new = self.run()
-        self.out.accept_len.copy_(new.accept_len)
-        self.out.tokens.copy_(new.tokens)
+        for name in ("accept_len", "tokens", "finite"):
+            getattr(self.out, name).copy_(getattr(new, name))
 
 
 def _half_right(ids, mask, ref):
