@@ -24,9 +24,9 @@ so `locate_gguf` finds it once ``site/`` is on PYTHONPATH. Another target (``--t
 the CPU test uses a tiny one) travels as its files.
 
 Once, here, in the checkout that travels (the session's own; a helper's worktree does not travel), and before
-every pack when the wheels are missing:
+every pack when the wheels are missing (the repository's .gitignore already ignores .gpu_carry/ and .whl/, so
+they travel only when a call names them in carry):
 
-    for p in /.gpu_carry/ /.whl/; do echo $p >> "$(git rev-parse --git-path info/exclude)"; done
     python -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_17_x86_64 -d .whl transformers==5.24.0 gguf==0.19.0
     python benchmarks/gpu_train.py pack            # prints the carry plan and the device calls
