@@ -120,7 +120,8 @@ def _export(program: torch.nn.Module, example: dict[str, torch.Tensor], opset: i
                                          opset_version=opset, dynamo=True, verbose=False,
                                          custom_translation_table=TRANSLATIONS)
     onnx_program.save(str(path))
-    return {"file": path.name, "inputs": dict(inputs), "outputs": dict(outputs)}
+    return {"file": path.name, "inputs": {k: list(v) for k, v in inputs.items()},
+            "outputs": {k: list(v) for k, v in outputs.items()}}
 
 
 def _target_signature(layers: int) -> dict:

@@ -160,6 +160,7 @@ class OnnxEagle:
         self.dtype = getattr(torch, m["dtype"])
         self.tree = TreeShape(**{k: m["tree"][k] for k in ("depth", "top_k", "total_tokens", "copy")})
         self.buckets = tuple(m["buckets"]["batch"])
+        self.acceptance_lengths: list[int] = []    # tokens emitted per row and cycle by the last generate call
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
@@ -186,18 +187,20 @@ class OnnxEagle:
         slots = cache_slots_needed(longest, max_new_tokens, longest, shape, rows=batch)
         t = self.manifest["target"]
         cache = OnnxKVCache(t["num_layers"], batch, t["kv_heads"], slots, t["head_dim"], self.dtype)
-        draft_kv = self.drafter.new_state(batch, slots, dtype=self.dtype)
+        draft_kv = self.drafter.new_state(batch, slots, dtype=self.dtype, device=torch.device("cpu"))
         state = self._prefill(padded, cache, draft_kv, stopper, active)
         active &= torch.tensor([not f for f in stopper.finished] + [False] * (batch - len(rows)))
         step = SpeculativeStep(self.drafter, shape, SamplingParams(), self.target)
+        self.acceptance_lengths = []
         while bool(active.any()):
             uniforms, final_uniform = draw_uniforms(batch, shape.span, shape.width)   # unused by greedy verify
             state.active.copy_(active)
             out = step(state, cache, draft_kv, uniforms, final_uniform)
             read = torch.cat([out.accept_len[:, None], out.tokens], 1).tolist()      # the cycle's one read
             for b in range(len(rows)):
-                if bool(active[b]) and stopper.extend(b, read[b][1:read[b][0] + 2]):
-                    active[b] = False
+                if bool(active[b]):
+                    self.acceptance_lengths.append(read[b][0] + 1)
+                    active[b] = not stopper.extend(b, read[b][1:read[b][0] + 2])
         return stopper.generated
 
     def _bucket(self, rows: int) -> int:
