@@ -8,7 +8,14 @@ OUT is a new (or empty) folder; it gets config.json and model.safetensors, and t
 serve it. --format vllm and speculators are both for vLLM (speculators also loads the latter); sglang is for
 SGLang. Each format writes the capture indices the way its engine reads them and refuses, with the reason, a
 head its engine would run differently from eagle_compile (for example norm_before_residual in SGLang).
---format onnx and tensorrt (the compiled programs, not a head folder) are not available yet.
+
+  eagle31 export --format onnx runs/onnx                        # the target's verify step and the draft step
+  eagle31 export --format onnx runs/onnx --tree '{"chain": 3}' --opset 20
+
+--format onnx writes the programs, not a head folder: target.onnx (the tree-verify step, also the prefill),
+draft_fuse.onnx and draft.onnx with their KV caches as inputs and outputs, d2t.npy and eagle31_onnx.json (names,
+shapes, buckets, capture indices, tree); eagle_compile.export.onnx_runtime.OnnxEagle decodes over them. It needs
+the `onnx` extra and loads the whole target (--target: an HF folder). --format tensorrt is not available yet.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from pathlib import Path
 from eagle_compile.export.heads import ENGINE_NOTES, ENGINES
 
 PROGRAM_FORMATS = ("onnx", "tensorrt")
+OPSETS = (18, 19, 20)
 
 
 def add_export_parser(subparsers) -> argparse.ArgumentParser:
@@ -27,7 +35,7 @@ def add_export_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("export", help="write a draft head as a vLLM / SGLang / speculators folder",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--format", required=True, choices=(*ENGINES, *PROGRAM_FORMATS),
-                   help="the layout to write: vllm, sglang or speculators (onnx and tensorrt: not yet available)")
+                   help="vllm, sglang or speculators (a head folder), onnx (the programs); tensorrt: not yet available")
     p.add_argument("out", metavar="OUT", help="folder to write (new or empty; see --overwrite)")
     p.add_argument("--draft", default=None, metavar="HEAD_FOLDER",
                    help="draft head folder, official EAGLE-3 or speculators layout (default: the shipped head)")
@@ -37,6 +45,10 @@ def add_export_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--speculative-tokens", type=int, default=3, metavar="K",
                    help="draft tokens per step: written into the speculators config (vLLM's default for that "
                         "head) and used in the serve command printed at the end (default 3)")
+    p.add_argument("--tree", default=None, metavar="JSON",
+                   help="onnx: the tree the ONNX runtime builds by default, as eagle31 tree options (default: the "
+                        "head's tree.json when chosen for this device and dtype, else EAGLE's default tree)")
+    p.add_argument("--opset", type=int, default=18, choices=OPSETS, help="onnx: the ONNX opset (default 18)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace config.json and model.safetensors in an OUT that already holds files")
     return p
@@ -47,6 +59,8 @@ def run_export(args: argparse.Namespace) -> int:
     from eagle_compile.errors import CheckpointError, ExportError
     from eagle_compile.export.heads import export_head
 
+    if args.format == "onnx":
+        return _export_onnx(args)
     if args.format in PROGRAM_FORMATS:
         print(f"eagle31 export: --format {args.format} is not available yet (it will export the compiled "
               f"programs, not a head folder); head folders: --format {' | '.join(ENGINES)}", file=sys.stderr)
@@ -73,6 +87,33 @@ def run_export(args: argparse.Namespace) -> int:
     if cfg.fc_norm or cfg.norm_output:
         print(f"note: this EAGLE 3.1 head {ENGINE_NOTES[args.format]}")
     print(f"serve it with:\n  {serve_command(args.format, out, target_name, args.speculative_tokens)}")
+    return 0
+
+
+def _export_onnx(args: argparse.Namespace) -> int:
+    """The ONNX programs of the target and head (the whole target is loaded: its weights go into target.onnx)."""
+    import json
+
+    import torch
+
+    from eagle_compile.errors import OptionsError
+    from eagle_compile.export.onnx import export_onnx
+    from eagle_compile.targets import load_target
+
+    out = Path(args.out)
+    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
+        print(f"eagle31 export: {out} already holds files; pass --overwrite to replace them or name a new folder",
+              file=sys.stderr)
+        return 2
+    try:
+        tree = json.loads(args.tree) if args.tree else None
+    except json.JSONDecodeError as error:
+        raise OptionsError(f"--tree is not JSON ({error}); e.g. --tree '{{\"chain\": 3}}'") from error
+    model, _ = load_target(args.target)
+    with torch.no_grad():
+        manifest = export_onnx(model, str(_draft_folder(args.draft)), out, tree=tree, opset=args.opset)
+    print(f"wrote {out}: {', '.join(sorted(p.name for p in out.iterdir()))}; tree {manifest.get('tree')}")
+    print("decode over it with eagle_compile.export.onnx_runtime.OnnxEagle(OUT).generate([prompt_ids], ...)")
     return 0
 
 

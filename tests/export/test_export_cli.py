@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from tiny import random_head, tiny_target
+from tiny import random_head, save_random_head, save_tiny_folder, tiny_target, tiny_tokenizer
 
 from eagle_compile.cli import main
 from eagle_compile.draft import load_draft, save_draft
@@ -53,7 +53,7 @@ def test_draft_and_target_folders(tmp_path, capsys):
     assert "vocab_size 64" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("fmt", ["onnx", "tensorrt"])
+@pytest.mark.parametrize("fmt", ["tensorrt"])
 def test_program_formats_are_not_available_yet(tmp_path, capsys, fmt):
     assert main(["export", "--format", fmt, str(tmp_path / "x")]) == 2
     assert f"--format {fmt} is not available yet" in capsys.readouterr().err
@@ -67,3 +67,22 @@ def test_help(capsys):
     text = capsys.readouterr().out
     for word in ("--format", "vllm", "sglang", "speculators", "--draft", "--target", "OUT", "--overwrite"):
         assert word in text
+
+
+def test_onnx_programs_decode_like_the_target(tmp_path, capsys):
+    pytest.importorskip("onnxruntime", reason="the onnx extra is not installed (scripts/setup.sh installs it)")
+    from eagle_compile.export.onnx_runtime import OnnxEagle
+
+    target = save_tiny_folder(tmp_path / "target", tiny_tokenizer())
+    save_random_head(tmp_path / "head", target)
+    out = tmp_path / "onnx"
+    argv = ["export", "--format", "onnx", str(out), "--target", str(tmp_path / "target"), "--draft",
+            str(tmp_path / "head"), "--tree", '{"chain": 2}']
+    assert main(argv) == 0
+    assert {"target.onnx", "draft.onnx", "draft_fuse.onnx", "eagle31_onnx.json"} <= {p.name for p in out.iterdir()}
+    prompt = torch.arange(3, 20)[None]
+    with torch.no_grad():
+        ref = target.generate(prompt, max_new_tokens=10, do_sample=False)[0, prompt.shape[1]:].tolist()
+    assert OnnxEagle(out).generate([prompt[0].tolist()], max_new_tokens=10, eos_token_id=[]) == [ref]
+    capsys.readouterr()
+    assert main(argv) == 2 and "--overwrite" in capsys.readouterr().err          # OUT holds files now
