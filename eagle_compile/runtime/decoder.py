@@ -365,6 +365,7 @@ class SpeculativeDecoder:
                 self._poisoned(b, block[:read.finite[b]], stopper, active, stats, f"cycle {stats.cycles + 1}")
                 continue
             stats.acceptance_lengths.append(len(block))
+            stats.row_acceptance.setdefault(b, []).append(len(block))
             if copied is not None:
                 stats.copied_tokens += copied[b]
             if vocab is not None:

@@ -38,6 +38,7 @@ class GenerationStats:
     outside_draft_vocab: int | None = None            # emitted tokens the draft vocabulary (d2t) cannot propose
     copied_outside_draft_vocab: int | None = None     # ... of them accepted from the copy branch (None: unknown)
     errors: dict[int, str] = field(default_factory=dict)   # {row: why it ended early} (NaN/+inf target logits)
+    row_acceptance: dict[int, list[int]] = field(default_factory=dict)   # {row: its acceptance length per cycle}
 
     @property
     def tau(self) -> float:
@@ -56,4 +57,5 @@ class GenerationStats:
                 "notes": self.notes, "calibration": self.calibration,
                 "calibration_time": self.calibration_time, "drift": self.drift,
                 "copied_tokens": self.copied_tokens, "outside_draft_vocab": self.outside_draft_vocab,
-                "copied_outside_draft_vocab": self.copied_outside_draft_vocab, "errors": self.errors}
+                "copied_outside_draft_vocab": self.copied_outside_draft_vocab, "errors": self.errors,
+                "row_acceptance": self.row_acceptance}
