@@ -99,6 +99,9 @@ def plots(out: Path, summary: dict) -> list[Path]:
         xs = [r["prompt_tokens"] for r in s["context"].values()]
         ax.plot(xs, [r["tau"] for r in s["context"].values()], marker="o", label=head)
     ax.set(xscale="log", xlabel="prompt tokens", ylabel="tau (tokens per cycle)", title="tau against context length")
+    lengths = sorted({r["prompt_tokens"] for s in summary.values() for r in s["context"].values()})
+    ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.minorticks_off()
     ax.legend()
     written.append(_save(fig, out / "tau_vs_context.png"))
     for monitor, label, name in (("rms_ratio", "RMS of fed-back hidden / depth 1", "rms_vs_depth.png"),
@@ -111,6 +114,7 @@ def plots(out: Path, summary: dict) -> list[Path]:
                 if pts:
                     ax.plot(*zip(*pts, strict=True), marker="o", label=f"{length} tokens")
             ax.set(xlabel="draft depth", ylabel=label, title=head)
+            ax.xaxis.get_major_locator().set_params(integer=True)
             ax.legend(fontsize=7)
         written.append(_save(fig, out / name))
     return written
