@@ -38,7 +38,7 @@ def _run(script: str, *args: str) -> str:
 
 
 def test_every_example_has_a_test():
-    assert set(EXAMPLES) == {"compile_and_generate.py", "train_head.py", "benchmark.py"}
+    assert set(EXAMPLES) == {"compile_and_generate.py", "train_head.py", "benchmark.py", "export_onnx.py"}
 
 
 def test_compile_and_generate(folders):
@@ -60,3 +60,10 @@ def test_benchmark(folders):
     out = _run("benchmark.py", "--target", str(folders / "target"), "--draft", str(folders / "head"),
                "--max-new-tokens", "8", "--rounds", "1", "--options", '{"chain": 2}')
     assert "identical to model.generate on 4 of 4 prompts" in out and "eagle31" in out
+
+
+def test_export_onnx(folders, tmp_path):
+    pytest.importorskip("onnxruntime", reason="the onnx extra is not installed (scripts/setup.sh installs it)")
+    out = _run("export_onnx.py", "--target", str(folders / "target"), "--draft", str(folders / "head"),
+               "--out", str(tmp_path / "onnx"), "--tree", '{"chain": 2}', "--max-new-tokens", "10")
+    assert "identical to model.generate: yes" in out and (tmp_path / "onnx" / "target.onnx").is_file()
