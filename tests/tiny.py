@@ -29,13 +29,15 @@ _CLASSES = {
 
 
 def tiny_target(arch: str = "llama", *, seed: int = 0, vocab: int = 96, layers: int = 8,
-                dtype: torch.dtype = torch.float64):
-    """An 8-layer random decoder (default capture indices (2, 4, 5)), GQA 4/2 heads, head_dim 8."""
+                dtype: torch.dtype = torch.float64, **config):
+    """An 8-layer random decoder (default capture indices (2, 4, 5)), GQA 4/2 heads, head_dim 8, a 512-token
+    window; `config` overrides any config field (max_position_embeddings, rope_parameters, sliding_window, ...)."""
     cfg_cls, model_cls = _CLASSES[arch]
-    cfg = cfg_cls(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+    fields = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
                   rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                   attn_implementation="sdpa")
+    cfg = cfg_cls(**{**fields, **config})
     torch.manual_seed(seed)
     model = model_cls(cfg).to(dtype).eval()
     # Random init gives near-uniform logits; sharpen the head so greedy text has structure and ties are rare.
@@ -96,11 +98,12 @@ class ScriptedDrafter:
         return torch.log_softmax(logits, -1)
 
 
-def random_head(target, *, flags: bool, seed: int, reduced: bool) -> EagleDraftModel:
-    """A random-weight EAGLE-3 (or 3.1 with `flags`) head for `target`, optionally with a reduced vocabulary."""
+def random_head(target, *, flags: bool, seed: int, reduced: bool, **config) -> EagleDraftModel:
+    """A random-weight EAGLE-3 (or 3.1 with `flags`) head for `target`, optionally with a reduced vocabulary;
+    `config` overrides `DraftConfig` fields (max_position_embeddings, rope_scaling, capture_indices, ...)."""
     vocab = target.config.vocab_size
     cfg = DraftConfig.for_target(target.config, 48 if reduced else vocab,
-                                 **({"fc_norm": True, "norm_output": True} if flags else {}))
+                                 **({"fc_norm": True, "norm_output": True} if flags else {}), **config)
     torch.manual_seed(seed)
     head = EagleDraftModel(cfg).to(torch.float64).eval()
     if reduced:

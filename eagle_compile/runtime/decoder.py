@@ -44,6 +44,7 @@ from eagle_compile.draft.lookup import PromptLookup
 from eagle_compile.lowering import lowering_for
 from eagle_compile.options import EagleOptions
 from eagle_compile.runtime.calibration import Calibration
+from eagle_compile.runtime.context_window import ContextWindow
 from eagle_compile.runtime.cuda_graphs import BucketBuffers, CudaGraphRuntime, GraphedStep
 from eagle_compile.runtime.kv_cache import SlotKVCache
 from eagle_compile.runtime.plain_step import PlainStep
@@ -102,6 +103,8 @@ class SpeculativeDecoder:
         copy = max(s.copy for s in self.shapes) if self.speculate else 0
         self.lookup = PromptLookup(copy, options.copy_ngram) if copy else None
         self._draft_vocab: set[int] | None = None
+        head_config = getattr(getattr(drafter, "model", None), "config", None) if self.speculate else None
+        self.window = ContextWindow.of(model, head_config, step_program=options.step_program)
 
     def _step(self, sampling: SamplingParams) -> SpeculativeStep | StepProgram | PlainStep:
         if sampling not in self._steps:
@@ -153,6 +156,8 @@ class SpeculativeDecoder:
         batch = self._bucket(real)
         prompts = prompts + [prompts[0][:1]] * (batch - real)
         active = torch.tensor([not f for f in stopper.finished] + [False] * (batch - real))
+        longest = max(len(p) for p in prompts)
+        self.window.check(longest, stopper.max_new_tokens, self._reach(longest, stopper.max_new_tokens))
         slots = self._slots(prompts, stopper.max_new_tokens)
         device = prompts[0].device
         graphed = self._graphed(sampling, device, stats)
@@ -194,6 +199,9 @@ class SpeculativeDecoder:
         if stats.errors:
             self._report_errors(stats, buffers)
         stats.new_tokens = sum(len(g) for g in stopper.generated)
+        reached = max(len(p) + len(g) for p, g in zip(prompts, stopper.generated, strict=False))
+        for kind, note in self.window.notes(reached, drafted=self.speculate).items():
+            self._note(stats, kind, note)
         for phase, seconds in self.timings.items():
             setattr(stats, f"{phase}_time", seconds - timings_before.get(phase, 0.0))
         stats.graphs_captured = self.graphs_captured
@@ -222,16 +230,20 @@ class SpeculativeDecoder:
         if not self.options.cudagraphs:
             return None
         if not self.graph_runtime.supports(device):
-            note = f"cudagraphs=True ignored: CUDA graphs need a CUDA device, the target is on {device.type}"
-            if note not in self._warned:
-                warnings.warn(note, stacklevel=3)
-                self._warned.add(note)
-            stats.notes.append(note)
+            self._note(stats, "cudagraphs", "cudagraphs=True ignored: CUDA graphs need a CUDA device, the target "
+                                            f"is on {device.type}")
             return None
         key = ("graphed", sampling)
         if key not in self._steps:
             self._steps[key] = GraphedStep(self._step(sampling), runtime=self.graph_runtime)
         return self._steps[key]
+
+    def _note(self, stats: GenerationStats, kind: str, note: str) -> None:
+        """A note in this call's statistics, and a warning the first time this decoder meets its kind."""
+        if kind not in self._warned:
+            warnings.warn(note, stacklevel=4)
+            self._warned.add(kind)
+        stats.notes.append(note)
 
     def _buffers(self, batch: int, slots: int, device) -> BucketBuffers:
         """Static buffers per (bucket, slots), kept across calls so that captured graphs stay valid."""
@@ -249,6 +261,10 @@ class SpeculativeDecoder:
                 return b
         raise ValueError(f"batch of {rows} rows exceeds the largest batch bucket "
                          f"{self.options.batch_buckets[-1]}; add a larger bucket to options['batch_buckets']")
+
+    def _reach(self, longest: int, max_new: int) -> int:
+        """One past the largest position any forward of a call may use, over every program it may run."""
+        return max(positions_reached(longest, max_new, shape if self.speculate else None) for shape in self.shapes)
 
     def _slots(self, prompts: list[torch.Tensor], max_new: int) -> int:
         """Static cache slots (target and draft caches alike), sentinel included."""
@@ -419,16 +435,21 @@ class SpeculativeDecoder:
         return torch.multinomial(probs, 1, generator=generator)[:, 0], usable
 
 
-def cache_slots_needed(longest: int, max_new: int, prefill_chunk: int, shape: TreeShape | None,
-                       rows: int = 1) -> int:
-    """Cache slots a call needs before rounding: the prefill's padded span, or the committed tokens plus what a
-    cycle writes past them (`shape` None: plain steps, one token), plus the sentinel."""
-    plan = prefill_plan(longest, prefill_chunk, rows)
-    prefill_span = plan[-1][0] + plan[-1][1]
+def positions_reached(longest: int, max_new: int, shape: TreeShape | None) -> int:
+    """One past the largest position (= slot) a decode forward may use: the committed tokens plus what a cycle
+    writes past them (`shape` None: plain steps, one token)."""
     if shape is None:
-        return max(prefill_span, longest + max_new + 1) + 2
+        return longest + max_new + 1
     # committed <= longest + max_new; a cycle writes M tree slots (target) or (D-1)*K tree slots and D+1
     # catch-up slots (draft) past it; a row that stops mid-cycle may still advance by depth + 1 before it is
-    # frozen; +1 sentinel.
-    return max(prefill_span, longest + max_new + shape.span + 1
-               + max(shape.nodes, shape.tree_slots, shape.span + 1)) + 2
+    # frozen.
+    return longest + max_new + shape.span + 1 + max(shape.nodes, shape.tree_slots, shape.span + 1)
+
+
+def cache_slots_needed(longest: int, max_new: int, prefill_chunk: int, shape: TreeShape | None,
+                       rows: int = 1) -> int:
+    """Cache slots a call needs before rounding: the prefill's padded span, or `positions_reached`, whichever is
+    more, plus the sentinel. Linear in the prompt: prompt + max_new + a constant of the tree shape."""
+    plan = prefill_plan(longest, prefill_chunk, rows)
+    prefill_span = plan[-1][0] + plan[-1][1]
+    return max(prefill_span, positions_reached(longest, max_new, shape)) + 2

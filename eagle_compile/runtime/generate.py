@@ -191,10 +191,7 @@ def _check_vocabulary(model, input_ids: torch.Tensor, live: torch.Tensor) -> Non
 
 def _stopper(model, prompts, padded_len, gc: GenerationConfig, stopping_criteria, tokenizer,
              streamer=None) -> StopChecker:
-    if gc.max_new_tokens is not None:
-        max_new = gc.max_new_tokens
-    else:
-        max_new = gc.max_length - padded_len
+    max_new = _max_new_tokens(model, gc, padded_len)
     eos = gc.eos_token_id
     eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     criteria = [c for c in (stopping_criteria or []) if not isinstance(c, _NATIVE_CRITERIA)]
@@ -203,6 +200,25 @@ def _stopper(model, prompts, padded_len, gc: GenerationConfig, stopping_criteria
             raise UnsupportedGenerationError("stop_strings needs the tokenizer: pass tokenizer=...")
         criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=gc.stop_strings))
     return StopChecker(prompts, max_new_tokens=max_new, eos_token_ids=eos, criteria=criteria, streamer=streamer)
+
+
+def _max_new_tokens(model, gc: GenerationConfig, padded_len: int) -> int:
+    """`max_new_tokens`, else `max_length` minus the padded prompt, else HF's default: 20 new tokens, with the
+    total capped at the target's max_position_embeddings (`GenerationMixin._prepare_generated_length`)."""
+    if gc.max_new_tokens is not None:
+        return gc.max_new_tokens
+    if gc.max_length is not None:
+        max_length, why = gc.max_length, "max_length"
+    else:
+        max_length = GenerationConfig._get_default_generation_params()["max_length"] + padded_len
+        window = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        max_length = min(max_length, window) if window is not None else max_length
+        why = ("max_length (HF's default when neither max_new_tokens nor max_length is given: the prompt + 20, "
+               "capped at the target's max_position_embeddings)")
+    if padded_len >= max_length:
+        raise ValueError(f"input_ids has {padded_len} tokens but {why} is {max_length}: nothing to generate; pass "
+                         "max_new_tokens")
+    return max_length - padded_len
 
 
 # -- draft and decoder ------------------------------------------------------------------------------------------
