@@ -22,6 +22,12 @@ Sections (each guarded: one that crashes is reported and the others still run; t
   read) over the time give the achieved bandwidth, set against a device-to-device copy measured in the same
   run. `break-even tau` = speculative step time / plain step time: the mean acceptance length a trained head
   needs for speculative decoding to beat plain decoding at that batch.
+* (l) long context (`gpu/long_context.py`): a 32K- and a 130,560-token prompt on the 8B shape of (c), chunked
+  prefill and 256 speculative cycles each, then the 128K call in the plain mode: the tokens must equal the plain
+  mode's (a first difference at a bf16 near tie is reported and passes), each call's peak
+  `torch.cuda.max_memory_allocated` must be its KV caches plus a context-independent activation allowance, and
+  the peak must grow from 32K to 128K by the KV bytes of the added slots. It needs about 4 minutes, more than the
+  default budget leaves after (a)-(c): run it alone with `--sections l`.
 * (n) the padded cases of (b) again with NaN instead of garbage: a NaN row must stay in its row. It runs last
   and stops at its first crash, because a crash here is a device-side assert that ends every later CUDA call
   of the process (seen on CPU: the Triton `draft_topk` returns draft id 2**31-1 for an all-NaN row, and the
@@ -47,8 +53,12 @@ Without a CUDA device the script says what it would do and exits 0 (`--require-g
 interpreter (`EAGLE31_TRITON_INTERPRET=1`), no CUDA graphs and wall-clock timers: it exercises the script's
 code paths and checks; its timings are not measurements. `--sections a,b` picks sections; `--budget-s` is the
 time budget (default 450 s): sub-steps that would start after it are skipped and listed. `--negative-control`
-breaks the kernels' outputs (a) and poisons a real row (b, n): every such check must then fail. Exit status: 0
-when every check passed, 1 when any check failed or a section crashed, 2 for `--require-gpu` without CUDA.
+breaks the kernels' outputs (a), poisons a real row (b, n) and changes a prompt token of the plain-mode call
+(l): every such check must then fail. Exit status: 0 when every check passed, 1 when any check failed or a
+section crashed, 2 for `--require-gpu` without CUDA.
+
+As the script grows each check gets its own file in the package `benchmarks/gpu/` (this file stays the one entry
+script): `gpu/base.py` holds what the sections share, `gpu/long_context.py` section (l).
 """
 
 from __future__ import annotations
@@ -64,12 +74,25 @@ import time
 import traceback
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from common import compat_torch_compile
+from gpu.base import (
+    LLAMA_8B,
+    Run,
+    build_head,
+    build_target,
+    divergence,
+    free_memory,
+    guarded,
+    kv_bytes,
+    log,
+    weight_bytes,
+)
+from gpu.long_context import markdown as long_context_markdown
+from gpu.long_context import section_long_context
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "bench_out" / "gpu_check"
@@ -117,11 +140,7 @@ GRAPH_TREE = {"depth": 3, "top_k": 2, "total_tokens": 6, "prefill_chunk": 16}
 
 #: (c) the Llama-3.1-8B shape (random weights) and its timing plan
 SPEED_TARGET = {
-    "gpu": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
-                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-                max_position_embeddings=131072, rms_norm_eps=1e-5),
+    "gpu": LLAMA_8B,
     "dry": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16),
 }
@@ -137,57 +156,6 @@ SPEED_TREES = {"chain 4": {"chain": 4}, "tree d4 k4 m16": {"depth": 4, "top_k": 
 FLOAT_TOL = {"gpu": {FP32: 2e-3, FP16: 2e-3, BF16: 2e-2}, "dry": {FP32: 1e-5, FP16: 2e-3, BF16: 2e-2}}
 #: max |log-prob error| of draft_topk (logits are O(1): fp16/bf16 products are exact in the fp32 accumulator)
 LOGP_TOL = {"gpu": {FP32: 5e-3, FP16: 1e-4, BF16: 1e-4}, "dry": {FP32: 1e-5, FP16: 1e-4, BF16: 1e-4}}
-
-
-# -- bookkeeping -------------------------------------------------------------------------------------------------
-@dataclass
-class Run:
-    """What one invocation checks and measures, and its clock."""
-
-    device: torch.device
-    mode: str                      # "gpu" or "dry"
-    budget_s: float
-    t0: float = field(default_factory=time.perf_counter)
-    checks: list[dict] = field(default_factory=list)
-    rows: dict[str, list[dict]] = field(default_factory=lambda: {"a": [], "b": [], "c": [], "n": []})
-    skipped: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    section_s: dict[str, float] = field(default_factory=dict)
-    negative_control: bool = False
-    keep: dict[str, Any] = field(default_factory=dict)   # objects shared between sections (the (b) target)
-
-    @property
-    def cuda(self) -> bool:
-        return self.device.type == "cuda"
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.t0
-
-    def time_left(self, what: str, need_s: float = 0.0) -> bool:
-        """False (and the step is listed as skipped) when `what` would start past the budget."""
-        if self.elapsed() + need_s <= self.budget_s:
-            return True
-        self.skipped.append(what)
-        log(self, f"SKIPPED (time budget {self.budget_s:.0f} s): {what}")
-        return False
-
-    def check(self, section: str, name: str, ok: bool, detail: str = "") -> bool:
-        self.checks.append({"section": section, "name": name, "ok": bool(ok), "detail": detail})
-        log(self, f"{'PASS' if ok else 'FAIL'} ({section}) {name}{': ' + detail if detail else ''}")
-        return ok
-
-    def note(self, text: str) -> None:
-        if text not in self.notes:
-            self.notes.append(text)
-            log(self, f"NOTE: {text}")
-
-    @property
-    def failed(self) -> list[dict]:
-        return [c for c in self.checks if not c["ok"]]
-
-
-def log(run: Run, msg: str) -> None:
-    print(f"[+{run.elapsed():6.1f}s {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def median_ms(run: Run, fn: Callable[[], Any], *, warmup: int, repeats: int) -> float:
@@ -499,46 +467,6 @@ def check_accept_sample(run: Run, sh: dict, dtype: torch.dtype, gen, timed: bool
                        lambda: accept_sample_reference(*args, d))}
 
 
-# -- shared: random targets and heads ----------------------------------------------------------------------------
-def build_target(shape: dict, dtype: torch.dtype, device: torch.device, seed: int, *, sharpen: float = 1.0):
-    """A random-weight Llama built directly on `device` (an 8B one takes seconds on a GPU, minutes on a CPU)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(**shape, tie_word_embeddings=False, attn_implementation="sdpa", bos_token_id=1,
-                         eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = LlamaForCausalLM(config)
-    model = model.to(dtype).eval()
-    if sharpen != 1.0:          # random init gives near-uniform logits: sharpen so greedy text has few near ties
-        with torch.no_grad():
-            model.lm_head.weight.mul_(sharpen)
-    model.generation_config.eos_token_id = None      # every row runs to max_new_tokens
-    model.generation_config.pad_token_id = 0
-    return model
-
-
-def build_head(model, draft_vocab: int, seed: int, capture_indices: tuple[int, ...] | None = None):
-    """A random EAGLE 3.1 head (fc_norm, norm_output) with a reduced draft vocabulary, on the model's device."""
-    from eagle_compile.draft.config import DraftConfig
-    from eagle_compile.draft.model import EagleDraftModel
-    from eagle_compile.draft.vocab import build_vocab_mapping
-
-    param = next(model.parameters())
-    extra = {"capture_indices": capture_indices} if capture_indices else {}
-    config = DraftConfig.for_target(model.config, draft_vocab, fc_norm=True, norm_output=True, **extra)
-    torch.manual_seed(seed)
-    with torch.device(param.device):
-        head = EagleDraftModel(config)
-    head = head.to(param.dtype).eval()
-    counts = torch.randint(0, 1000, (model.config.vocab_size,), generator=torch.Generator().manual_seed(seed))
-    d2t, t2d = build_vocab_mapping(counts, draft_vocab)
-    head.d2t.copy_(d2t)
-    head.t2d.copy_(t2d)
-    head.tie_target_embedding(model)
-    return head
-
-
 def check_kernel_choices(run: Run, section: str, dtype: torch.dtype) -> None:
     """The fused ops of the step program must run the Triton kernels (interpreted in the dry run)."""
     from eagle_compile.kernels import kernel_choices
@@ -663,7 +591,7 @@ def graph_case(run: Run, section: str, real: int, bucket: int, poison: float) ->
     run.check(section, f"{label}: CUDA graphs == eager (same lowered program)", same_eager,
               "" if same_eager else _first_difference(graphed.sequences, eager.sequences))
     run.check(section, f"{label}: == HF greedy", same_hf,
-              "" if same_hf else _divergence(model, graphed.sequences, hf, mask))
+              "" if same_hf else divergence(model, graphed.sequences, hf, mask))
     if run.cuda:
         run.check(section, f"{label}: graphs replayed every cycle", 0 < stats.cuda_graph_replays == stats.cycles,
                   f"{stats.cuda_graph_replays} replays, {stats.cycles} cycles")
@@ -683,19 +611,6 @@ def _first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
     return f"first difference at row {row}, column {col}: {int(a[row, col])} vs {int(b[row, col])}"
 
 
-def _divergence(model, ours: torch.Tensor, hf: torch.Tensor, mask: torch.Tensor) -> str:
-    """Where our output leaves HF's, and the target's top-2 logit margin there (a near tie is rounding)."""
-    diff = (ours != hf).nonzero()
-    row, col = (int(x) for x in diff[0])
-    start = int(mask[row].nonzero()[0])
-    with torch.no_grad():
-        logits = model(input_ids=hf[row:row + 1, start:col]).logits[0, -1].float()
-    top = logits.topk(2).values
-    margin = float(top[0] - top[1])
-    return (f"row {row}, column {col}: ours {int(ours[row, col])}, HF {int(hf[row, col])}; top-2 logit margin "
-            f"there {margin:.3g} ({'near tie' if margin < 1e-2 else 'NOT a near tie'})")
-
-
 # -- (c) speed of the 8B shape -----------------------------------------------------------------------------------
 def copy_bandwidth(run: Run, nbytes: int) -> float:
     """GB/s of a device-to-device copy (bytes read + bytes written)."""
@@ -703,18 +618,6 @@ def copy_bandwidth(run: Run, nbytes: int) -> float:
     dst = torch.empty_like(src)
     ms = median_ms(run, lambda: dst.copy_(src), warmup=3, repeats=10 if run.cuda else 2)
     return 2 * nbytes / (ms * 1e-3) / 1e9
-
-
-def weight_bytes(module: torch.nn.Module, skip: tuple[str, ...] = ()) -> int:
-    return sum(p.numel() * p.element_size() for name, p in module.named_parameters()
-               if not any(name.startswith(s) or f".{s}" in name for s in skip))
-
-
-def kv_bytes(config, batch: int, tokens: float, element: int) -> float:
-    """Bytes of K and V over `tokens` positions for all layers of a target (or one draft layer)."""
-    c = config.get_text_config() if hasattr(config, "get_text_config") else config
-    layers = getattr(c, "num_hidden_layers", 1)
-    return 2 * layers * batch * c.num_key_value_heads * c.head_dim * tokens * element
 
 
 def spec_bytes(model, head, options: dict, batch: int, context: float) -> float:
@@ -829,19 +732,7 @@ def section_speed(run: Run) -> None:
                 guarded(run, "c", f"{name}, batch {batch}",
                         functools.partial(time_spec, run, model, head, name, options, batch, plan, copy_gbs, plain_ms))
         _decoders.get(model, {}).clear()       # drop this tree's decoder: its static buffers and graphs
-        _free(run)
-
-
-def guarded(run: Run, section: str, label: str, fn: Callable[[], None]) -> None:
-    """One sub-step: a crash fails it and the next one runs, unless the crash broke CUDA for the process."""
-    try:
-        fn()
-    except Exception as e:
-        traceback.print_exc()
-        run.check(section, f"{label} ran", False, f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
-        if run.cuda and "CUDA" in str(e):
-            raise
-    _free(run)
+        free_memory(run)
 
 
 def time_plain(run: Run, model, batch: int, plan: dict, copy_gbs: float, plain_ms: dict) -> None:
@@ -898,14 +789,6 @@ def _speed_row(run: Run, batch, mode, ms, nbytes, copy_gbs, plain, context, tau)
              f"({100 * gbs / copy_gbs:5.1f}% of copy)")
 
 
-def _free(run: Run) -> None:
-    import gc
-
-    gc.collect()
-    if run.cuda:
-        torch.cuda.empty_cache()
-
-
 # -- output ------------------------------------------------------------------------------------------------------
 def markdown(run: Run, env: dict, sections: list[str]) -> str:
     from common import markdown_table
@@ -938,6 +821,8 @@ def markdown(run: Run, env: dict, sections: list[str]) -> str:
                   "lm_head per level, fc once). break-even tau: speculative step time / plain step time (CUDA "
                   "graph), the acceptance length a trained head must reach to beat plain decoding. The heads here "
                   "are random (tau about 1), so no speedup is claimed.", ""]
+    if "l" in sections:
+        parts += long_context_markdown(run)
     if "n" in sections:
         parts += _graph_table(run, "n", "(n) CUDA graphs per bucket, NaN-poisoned padding rows")
     if run.notes:
@@ -1002,7 +887,8 @@ def environment(run: Run) -> dict:
 
 
 SECTIONS = {"a": ("kernels", section_kernels), "b": ("CUDA graphs, stale padding", section_graphs),
-            "c": ("speed", section_speed), "n": ("CUDA graphs, NaN padding", section_nan)}
+            "c": ("speed", section_speed), "l": ("long-context soak", section_long_context),
+            "n": ("CUDA graphs, NaN padding", section_nan)}
 SECTION_ORDER = tuple(SECTIONS)
 
 NO_CUDA_MESSAGE = """\
@@ -1016,6 +902,9 @@ On a machine with a CUDA GPU (meant for one H200, under 8 minutes) this script w
       eager and HF greedy, with NaN-poisoned padding rows and the graph replay counter;
   (c) time a plain decode step and a speculative step (chain 4, small tree) of a random Llama-3.1-8B-shaped
       target in bf16 at batch 1, 8, 64 over a 512-token context, as achieved GB/s against a device copy.
+  (l) soak a 128K-token prompt (chunked prefill, 256 speculative cycles) on the same 8B shape: exact against
+      the plain mode, peak memory against the linear expectation (KV caches + activations); --sections l
+      runs it alone (about 4 minutes).
 
 Run it there:       python benchmarks/gpu_check.py --out bench_out/gpu_check
 Dry run here (CPU): python benchmarks/gpu_check.py --dry-run-cpu   (Triton interpreter, tiny shapes)
@@ -1025,8 +914,9 @@ This exit is 0; pass --require-gpu to make a missing GPU an error (exit 2)."""
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for gpu_check.json and gpu_check.md")
-    p.add_argument("--sections", default="a,b,c,n", help="comma-separated subset, run in the order a (kernels), "
-                   "b (CUDA graphs, stale padding), c (speed), n (CUDA graphs, NaN padding)")
+    p.add_argument("--sections", default="a,b,c,l,n", help="comma-separated subset, run in the order a (kernels), "
+                   "b (CUDA graphs, stale padding), c (speed), l (128K long-context soak), n (CUDA graphs, NaN "
+                   "padding)")
     p.add_argument("--budget-s", type=float, default=450.0, help="time budget; later sub-steps are skipped")
     p.add_argument("--require-gpu", action="store_true", help="exit 2 when no CUDA device is present")
     p.add_argument("--dry-run-cpu", action="store_true", help="run the sections on the CPU with tiny shapes and "
@@ -1070,7 +960,7 @@ def main(argv: list[str] | None = None) -> int:
             run.check(key, f"section ({key}) {name} ran to the end", False, f"{type(e).__name__}: {e}")
         run.section_s[key] = time.perf_counter() - t
         log(run, f"=== section ({key}) {name}: done in {run.section_s[key]:.1f} s")
-        _free(run)
+        free_memory(run)
         write_outputs(run, args.out, env, args, final=False)
     write_outputs(run, args.out, env, args, final=True)
     failed = run.failed
