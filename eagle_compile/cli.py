@@ -82,11 +82,11 @@ def _add_bench(sub) -> None:
     add_bench_parser(sub)
 
 
+@torch.no_grad()                 # not a global switch: in-process callers (tests) keep their grad mode
 def _run_demo(args, *, compare: bool) -> int:
     import eagle_compile
     from eagle_compile.heads import shipped_head
 
-    torch.set_grad_enabled(False)
     model, tokenizer = _target(args)
     draft, note = _draft(args, model, shipped_head())
     print(f"target: {type(model).__name__} ({model.config.num_hidden_layers} layers, {args.dtype})")

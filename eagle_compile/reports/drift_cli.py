@@ -47,6 +47,7 @@ def add_drift_parser(sub) -> None:
     p.add_argument("--fresh", action="store_true", help="discard the records in --out and start over")
 
 
+@torch.no_grad()                 # not a global switch: in-process callers (tests) keep their grad mode
 def run_drift(args) -> int:
     from eagle_compile.reports import drift, drift_cases, drift_render
     from eagle_compile.targets import load_target
@@ -56,7 +57,6 @@ def run_drift(args) -> int:
         raise OptionsError(f"--sections takes {', '.join(SECTIONS)}; got {args.sections!r}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    torch.set_grad_enabled(False)
     model, tokenizer = load_target(args.target, getattr(torch, args.dtype))
     heads = _heads(args, model)
     tree = _tree(args, next(iter(heads.values()))[2], model)

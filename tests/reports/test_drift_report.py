@@ -123,3 +123,16 @@ def test_drift_command_end_to_end(tmp_path, tokenizer):
     assert (out / "tau_vs_context.png").stat().st_size > 1000
     assert main(argv) == 0                                                 # resumes: nothing left to run
     assert len(drift.read_records(out / drift.RECORDS)) == 2
+
+
+def test_the_command_leaves_the_callers_grad_mode_alone(tmp_path, monkeypatch):
+    """`eagle31 drift` called in-process (as tests do) must not switch autograd off for the rest of the process:
+    it did once, and every later training test in that pytest worker failed."""
+    monkeypatch.setattr(drift, "run", lambda *a, **k: [])
+    monkeypatch.setattr(drift_cases, "context_cases", lambda *a, **k: [])
+    monkeypatch.setattr("eagle_compile.reports.drift_render.write", lambda *a, **k: [])
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / drift.RUN_FILE).write_text("{}")
+    assert torch.is_grad_enabled()
+    main(["drift", "--sections", "context", "--tree", '{"chain": 2}', "--out", str(tmp_path / "out")])
+    assert torch.is_grad_enabled()
