@@ -322,12 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     log, done = resumable_log(args.out, "calibration.records.jsonl", args.fresh)
     model, tokenizer = eagle_compile.load_default_target()
     head, info = load_head(model, None)
-    from eagle_compile.draft.config import DraftConfig
-    from eagle_compile.draft.model import EagleDraftModel
+    from eagle_compile.draft.model import untrained_head
 
-    torch.manual_seed(0)
-    untrained = EagleDraftModel(DraftConfig.for_target(model.config, None, fc_norm=True, norm_output=True)).eval()
-    untrained.tie_target_embedding(model)
+    untrained = untrained_head(model)
     wrong = ShiftedDrafter(head, vocab=model.config.vocab_size,
                            capture_indices=tuple(head.config.capture_indices or ()) or None)
     fixed = fixed_trees(args.fixed) if "fixed" in sections else []

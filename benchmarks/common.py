@@ -192,14 +192,9 @@ def load_head(model, draft: str | None) -> tuple[torch.nn.Module, dict[str, Any]
     if folder is not None:
         head = load_draft(folder, target=model, dtype=model.dtype)
         return head, {"trained": True, "folder": str(folder.resolve()), "note": f"EAGLE head from {folder}"}
-    from eagle_compile.draft.config import DraftConfig
-    from eagle_compile.draft.model import EagleDraftModel
+    from eagle_compile.draft.model import untrained_head
 
-    torch.manual_seed(0)
-    head = EagleDraftModel(DraftConfig.for_target(model.config, None, fc_norm=True, norm_output=True))
-    head = head.to(model.dtype).eval()
-    head.tie_target_embedding(model)
-    return head, {"trained": False, "folder": None, "note": UNTRAINED_NOTE}
+    return untrained_head(model), {"trained": False, "folder": None, "note": UNTRAINED_NOTE}
 
 
 def read_options(spec: str | None, head_info: dict[str, Any], default: dict[str, Any],

@@ -137,15 +137,11 @@ def _draft(args, model, shipped):
     if shipped is not None and args.target is None:
         note = f"shipped EAGLE 3.1 head {shipped.name} (see its MODEL_CARD.md)"
         return load_draft(shipped, target=model, dtype=model.dtype), note
-    from eagle_compile.draft.config import DraftConfig
-    from eagle_compile.draft.model import EagleDraftModel
+    from eagle_compile.draft.model import untrained_head
 
-    torch.manual_seed(0)
-    head = EagleDraftModel(DraftConfig.for_target(model.config, None, fc_norm=True, norm_output=True))
-    head = head.to(model.dtype).eval()
-    head.tie_target_embedding(model)
-    return head, ("UNTRAINED random EAGLE 3.1 head (no trained head ships in this checkout): output is "
-                  "still exact, but almost no draft token is accepted, so expect no speedup")
+    return untrained_head(model), ("UNTRAINED random EAGLE 3.1 head (no trained head ships in this checkout): "
+                                   "output is still exact, but almost no draft token is accepted, so expect no "
+                                   "speedup")
 
 
 if __name__ == "__main__":

@@ -207,7 +207,6 @@ def save_tiny_folder(path, tokenizer, *, seed: int = 0):
 def save_random_head(path, target, *, seed: int = 0) -> None:
     """A random EAGLE 3.1 head for `target` (full vocabulary) in the official layout at `path`."""
     from eagle_compile.draft.checkpoint import save_draft
+    from eagle_compile.draft.model import untrained_head
 
-    torch.manual_seed(seed)
-    head = EagleDraftModel(DraftConfig.for_target(target.config, None, fc_norm=True, norm_output=True))
-    save_draft(head.to(target.dtype).eval(), path)
+    save_draft(untrained_head(target, seed=seed), path)

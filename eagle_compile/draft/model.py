@@ -354,6 +354,18 @@ class EagleDraftModel(nn.Module):
 # softmax. Written independently of the module code above; only the weights are shared.
 
 
+def untrained_head(target: nn.Module, *, seed: int = 0) -> EagleDraftModel:
+    """A random-weight (seed `seed`) EAGLE 3.1 head sized for `target` (full vocabulary), in its dtype, eval mode,
+    tied to its embedding: what the demo and the benchmarks run when no trained head ships, and what tests save."""
+    from eagle_compile.draft.config import DraftConfig
+
+    torch.manual_seed(seed)
+    head = EagleDraftModel(DraftConfig.for_target(target.config, None, fc_norm=True, norm_output=True))
+    head = head.to(next(target.parameters()).dtype).eval()
+    head.tie_target_embedding(target)
+    return head
+
+
 def _rms_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.to(torch.promote_types(x.dtype, torch.float32))
     return w * (x32 / torch.sqrt((x32 * x32).mean(-1, keepdim=True) + eps)).to(x.dtype)
