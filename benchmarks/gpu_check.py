@@ -28,6 +28,9 @@ Sections (each guarded: one that crashes is reported and the others still run; t
   `torch.cuda.max_memory_allocated` must be its KV caches plus a context-independent activation allowance, and
   the peak must grow from 32K to 128K by the KV bytes of the added slots. It needs about 4 minutes, more than the
   default budget leaves after (a)-(c): run it alone with `--sections l`.
+* (t) TensorRT (`gpu/tensorrt.py`): the TensorRT export's programs of a small random Llama checked at buckets
+  1, 2, 4 (every op handled by torch-tensorrt); where torch_tensorrt imports, the engines built, loaded and
+  compared with the PyTorch programs, and `inner_backend="tensorrt"` decoding against its own plain mode.
 * (n) the padded cases of (b) again with NaN instead of garbage: a NaN row must stay in its row. It runs last
   and stops at its first crash, because a crash here is a device-side assert that ends every later CUDA call
   of the process (seen on CPU: the Triton `draft_topk` returns draft id 2**31-1 for an all-NaN row, and the
@@ -93,6 +96,8 @@ from gpu.base import (
 )
 from gpu.long_context import markdown as long_context_markdown
 from gpu.long_context import section_long_context
+from gpu.tensorrt import markdown as tensorrt_markdown
+from gpu.tensorrt import section_tensorrt
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "bench_out" / "gpu_check"
@@ -823,6 +828,8 @@ def markdown(run: Run, env: dict, sections: list[str]) -> str:
                   "are random (tau about 1), so no speedup is claimed.", ""]
     if "l" in sections:
         parts += long_context_markdown(run)
+    if "t" in sections:
+        parts += tensorrt_markdown(run)
     if "n" in sections:
         parts += _graph_table(run, "n", "(n) CUDA graphs per bucket, NaN-poisoned padding rows")
     if run.notes:
@@ -888,7 +895,7 @@ def environment(run: Run) -> dict:
 
 SECTIONS = {"a": ("kernels", section_kernels), "b": ("CUDA graphs, stale padding", section_graphs),
             "c": ("speed", section_speed), "l": ("long-context soak", section_long_context),
-            "n": ("CUDA graphs, NaN padding", section_nan)}
+            "t": ("TensorRT", section_tensorrt), "n": ("CUDA graphs, NaN padding", section_nan)}
 SECTION_ORDER = tuple(SECTIONS)
 
 NO_CUDA_MESSAGE = """\
@@ -905,6 +912,8 @@ On a machine with a CUDA GPU (meant for one H200, under 8 minutes) this script w
   (l) soak a 128K-token prompt (chunked prefill, 256 speculative cycles) on the same 8B shape: exact against
       the plain mode, peak memory against the linear expectation (KV caches + activations); --sections l
       runs it alone (about 4 minutes).
+  (t) check the TensorRT export's programs at every bucket and, where torch_tensorrt imports, build the
+      engines, compare them with PyTorch and decode with inner_backend='tensorrt'.
 
 Run it there:       python benchmarks/gpu_check.py --out bench_out/gpu_check
 Dry run here (CPU): python benchmarks/gpu_check.py --dry-run-cpu   (Triton interpreter, tiny shapes)
@@ -914,9 +923,9 @@ This exit is 0; pass --require-gpu to make a missing GPU an error (exit 2)."""
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for gpu_check.json and gpu_check.md")
-    p.add_argument("--sections", default="a,b,c,l,n", help="comma-separated subset, run in the order a (kernels), "
-                   "b (CUDA graphs, stale padding), c (speed), l (128K long-context soak), n (CUDA graphs, NaN "
-                   "padding)")
+    p.add_argument("--sections", default="a,b,c,l,t,n", help="comma-separated subset, run in the order a "
+                   "(kernels), b (CUDA graphs, stale padding), c (speed), l (128K long-context soak), t (TensorRT), "
+                   "n (CUDA graphs, NaN padding)")
     p.add_argument("--budget-s", type=float, default=450.0, help="time budget; later sub-steps are skipped")
     p.add_argument("--require-gpu", action="store_true", help="exit 2 when no CUDA device is present")
     p.add_argument("--dry-run-cpu", action="store_true", help="run the sections on the CPU with tiny shapes and "

@@ -26,7 +26,7 @@ import torch
 from torch._dynamo.eval_frame import OptimizedModule, innermost_backend
 
 from eagle_compile.errors import OptionsError
-from eagle_compile.lowering import make_lowering
+from eagle_compile.lowering import check_tensorrt, make_lowering
 from eagle_compile.options import EagleOptions, parse_options
 from eagle_compile.passes import PassContext, locate_layers
 
@@ -39,7 +39,9 @@ def eagle31_backend(gm: torch.fx.GraphModule, example_inputs: list, *, options: 
     opts = _options(options, mode)
     ctx = PassContext()
     locate_layers(gm, ctx)
-    backend = "inductor" if opts.inner_backend == "inductor" else "eager"
+    backend = opts.inner_backend if opts.inner_backend in ("inductor", "tensorrt") else "eager"
+    if backend == "tensorrt":
+        check_tensorrt(next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), "cpu"))
     return make_lowering(backend, opts.inductor_config, f"inner_backend={opts.inner_backend!r}").compile(
         gm, example_inputs)
 

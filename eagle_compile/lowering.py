@@ -1,4 +1,5 @@
-"""How a rewritten program runs: as its FX graph, or compiled by inductor with settings chosen for our programs.
+"""How a rewritten program runs: as its FX graph, compiled by inductor with settings chosen for our programs, or
+through torch-tensorrt on CUDA.
 
 `Lowering` is the inner backend of one program (a target program or a step program): `eager` runs the
 rewritten FX graph as is; `inductor` hands it to `compile_fx` with `config_patches`, so the inductor settings
@@ -16,7 +17,15 @@ Presets (`inductor_config` values, COMPILE_FACTS.md §4.1):
   GEMMs run 1.7-2.4x faster than MKL's on our 2-core CPUs, but they round differently from MKL, so greedy text
   can part from HF eager greedy at near-ties, see the batch-invariance issue).
 
-Prefill programs run as FX graphs even under inductor: their GEMMs (hundreds to thousands of rows) are
+`tensorrt` (CUDA only; the `tensorrt` extra) hands the graph to torch-tensorrt's dynamo backend, traced through
+aot_autograd (`use_distributed_mode_trace`: our programs write their KV caches in place, which torch-tensorrt's
+default tracer, `aot_export_joint_simple`, refuses; aot_autograd makes the writes functional and applies them
+after the engine), with the eagle31 custom ops run by PyTorch (their Triton kernels) between engines and build
+failures raised rather than silently run as the FX graph. Written against torch-tensorrt 2.13's API and not run
+on our CPU machines (TensorRT cannot be installed there, COMPILE_FACTS.md §7): benchmarks/gpu/tensorrt.py runs
+it where torch_tensorrt imports.
+
+Prefill programs run as FX graphs even under inductor (and tensorrt): their GEMMs (hundreds to thousands of rows) are
 compute-bound, where MKL is already at its best, and inductor would spend minutes compiling each chunk size
 (measured: one SmolLM2 decode program takes ~150 s to compile and autotune under "cpp-gemm" here). Decode and
 verify programs, whose GEMMs have a few rows and are bound by reading the weights, get the chosen lowering.
@@ -50,7 +59,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 @dataclass
 class Lowering:
-    """The inner backend of a program: `backend` "eager" or "inductor" with `config` patches."""
+    """The inner backend of a program: `backend` "eager", "inductor" (with `config` patches) or "tensorrt"."""
 
     backend: str = "eager"
     config: dict[str, Any] = field(default_factory=dict)
@@ -68,7 +77,8 @@ class Lowering:
         return self.backend == "inductor" and bool(self.config.get("freezing"))
 
     def describe(self) -> str:
-        what = "eager (the rewritten FX graph)" if self.backend == "eager" else f"inductor {self.config or '{}'}"
+        what = {"eager": "eager (the rewritten FX graph)", "tensorrt": "torch-tensorrt (CUDA)"}.get(
+            self.backend, f"inductor {self.config or '{}'}")
         return f"{what}: {self.reason}; numerics {self.numerics}: {self.numerics_reason}"
 
     def compile(self, gm: torch.fx.GraphModule, example_inputs: list, kind: str = "step") -> Callable:
@@ -80,11 +90,14 @@ class Lowering:
         if self.backend == "eager" or kind == "prefill":
             self.compiled.append((kind, "eager" if self.backend == "eager" else "eager (prefill)", 0.0))
             return direct_calls(gm).forward
-        from torch._inductor.compile_fx import compile_fx
-
         t0 = time.perf_counter()
-        compiled = compile_fx(gm, example_inputs, config_patches=dict(self.config))
-        self.compiled.append((kind, "inductor", time.perf_counter() - t0))
+        if self.backend == "tensorrt":
+            compiled = tensorrt_compile(gm, example_inputs)
+        else:
+            from torch._inductor.compile_fx import compile_fx
+
+            compiled = compile_fx(gm, example_inputs, config_patches=dict(self.config))
+        self.compiled.append((kind, self.backend, time.perf_counter() - t0))
         return compiled
 
     @contextlib.contextmanager
@@ -118,10 +131,50 @@ def eager_lowering() -> Lowering:
 
 
 def make_lowering(inner_backend: str, inductor_config: str | Mapping[str, Any] | None, reason: str) -> Lowering:
-    """`Lowering` for options (inner_backend "eager" / "inductor", inductor_config a preset name or patches)."""
+    """`Lowering` for options (inner_backend "eager" / "inductor" / "tensorrt", inductor_config a preset name or
+    patches)."""
     if inner_backend == "eager":
         return Lowering("eager", {}, reason)
+    if inner_backend == "tensorrt":
+        if inductor_config is not None:
+            raise OptionsError("inductor_config is given with inner_backend='tensorrt'; it sets inductor only")
+        return Lowering("tensorrt", {}, reason)
     return Lowering("inductor", resolve_inductor_config(inductor_config), reason)
+
+
+TENSORRT_EXTRA = "pip install 'eagle_compile[tensorrt]' (torch-tensorrt for our torch minor; TensorRT's libraries " \
+                 "come from pypi.nvidia.com)"
+
+
+def check_tensorrt(device: torch.device | str) -> None:
+    """Raise OptionsError unless inner_backend="tensorrt" can run programs on `device`: CUDA, torch_tensorrt."""
+    kind = torch.device(device).type
+    if kind != "cuda":
+        raise OptionsError(f"inner_backend='tensorrt' builds TensorRT engines for NVIDIA GPUs; this target is on "
+                           f"{kind}: move it to CUDA, or use inner_backend 'auto', 'eager' or 'inductor'")
+    try:
+        import torch_tensorrt  # noqa: F401  (registers the "tensorrt" dynamo backend)
+    except Exception as error:      # ImportError, or libnvinfer missing (COMPILE_FACTS.md §7)
+        raise OptionsError(f"inner_backend='tensorrt' needs torch_tensorrt, which does not import here "
+                           f"({type(error).__name__}: {error}); {TENSORRT_EXTRA}") from error
+
+
+def tensorrt_compile(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+    """torch-tensorrt's dynamo backend over `gm` (see the module docstring for the settings and why)."""
+    import torch_tensorrt  # noqa: F401
+
+    dtypes = {t.dtype for t in example_inputs if isinstance(t, torch.Tensor) and t.is_floating_point()}
+    options = {"use_distributed_mode_trace": True, "pass_through_build_failures": True, "min_block_size": 1,
+               "enabled_precisions": dtypes or {torch.float32},
+               "torch_executed_ops": {op.default for op in _custom_ops()}}
+    return torch._dynamo.lookup_backend("tensorrt")(gm, example_inputs, options=options)
+
+
+def _custom_ops() -> list:
+    import eagle_compile.kernels  # noqa: F401  (registers torch.ops.eagle31.*)
+
+    ops = torch.ops.eagle31
+    return [getattr(ops, name) for name in ("tree_attention", "kv_write", "slot_mask") if hasattr(ops, name)]
 
 
 def resolve_inductor_config(config: str | Mapping[str, Any] | None) -> dict[str, Any]:
@@ -177,6 +230,8 @@ def lowering_for(inner_backend: str, inductor_config: str | Mapping[str, Any] | 
                                "inner_backend='inductor' to use inductor_config")
         lowering = auto_lowering(device, dtype)
     else:
+        if inner_backend == "tensorrt":
+            check_tensorrt(device)
         shown = f", inductor_config={inductor_config!r}" if inductor_config is not None else ""
         lowering = make_lowering(inner_backend, inductor_config, f"inner_backend={inner_backend!r}{shown}")
     lowering.numerics, lowering.numerics_reason = resolve_numerics(numerics, device, dtype, lowering.backend)
@@ -204,12 +259,12 @@ def resolve_numerics(numerics: str, device: torch.device | str, dtype: torch.dty
         return "eager", "numerics='eager': the traced ops' kernels (HF eager's rounding)"
     kind = torch.device(device).type
     fits = kind == "cpu" and dtype == torch.float32
-    if backend == "inductor":
+    if backend in ("inductor", "tensorrt"):
         if numerics == "batch_invariant":
-            raise OptionsError("numerics='batch_invariant' needs inner_backend 'eager' or 'auto': inductor "
+            raise OptionsError(f"numerics='batch_invariant' needs inner_backend 'eager' or 'auto': {backend} "
                                "compiles the norms its own way per shape, which is not proven batch-invariant")
-        return "eager", "numerics='auto' with inductor: the traced ops' kernels (inductor's norms are not proven " \
-                        "batch-invariant)"
+        return "eager", f"numerics='auto' with {backend}: the traced ops' kernels ({backend}'s norms are not " \
+                        "proven batch-invariant)"
     if numerics == "batch_invariant":
         if not fits:
             raise OptionsError(f"numerics='batch_invariant' runs float32 CPU targets; this one is {kind} {dtype} "

@@ -20,7 +20,7 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 EAGLE_TREE = {"depth": 7, "top_k": 10, "total_tokens": 60}
 TREE_KEYS = ("depth", "top_k", "total_tokens", "chain")
 DEFAULT_COPY = 0      # copy-branch nodes with calibration when `copy` is not given (docs/BENCHMARKS.md)
-_INNER = ("auto", "eager", "inductor")
+_INNER = ("auto", "eager", "inductor", "tensorrt")
 _KERNELS = ("auto", "on", "off")
 _CALIBRATE = ("auto", "on", "off")
 
@@ -47,7 +47,8 @@ class EagleOptions:
     captured prefill graphs stays bounded; chunks of 1K+ tokens attend as fast as one causal pass over the
     whole prompt). `inner_backend` runs the rewritten graphs: "eager" (the FX graph as
     is), "inductor" (compile_fx with `inductor_config`: a preset of `eagle_compile.lowering.PRESETS` or a dict
-    of `torch._inductor.config` settings, applied to our programs only; default preset "freezing"), or "auto"
+    of `torch._inductor.config` settings, applied to our programs only; default preset "freezing"), "tensorrt"
+    (torch-tensorrt's dynamo backend, CUDA only, the `tensorrt` extra: `eagle_compile.lowering`), or "auto"
     (the fastest setting whose greedy output matched HF eager greedy on the real-target tests, per device and
     dtype: `eagle_compile.lowering.auto_lowering`). `step_program=True` captures the
     whole cycle (draft -> verify -> accept -> commit) as one graph and lowers it with the step passes (fused
@@ -134,6 +135,8 @@ class EagleOptions:
             raise OptionsError(f"inner_backend={self.inner_backend!r}; valid values: {list(_INNER)}")
         _check_positive_int("cache_len_multiple", self.cache_len_multiple)
         if self.inductor_config is not None:
+            if self.inner_backend == "tensorrt":
+                raise OptionsError("inductor_config is given with inner_backend='tensorrt'; it sets inductor only")
             resolve_inductor_config(self.inductor_config)
         if self.drift_monitors is True and self.step_program is True:
             raise OptionsError("drift_monitors=True runs in the host-loop step only; use step_program=False")

@@ -29,7 +29,7 @@ class Run:
     budget_s: float
     t0: float = field(default_factory=time.perf_counter)
     checks: list[dict] = field(default_factory=list)
-    rows: dict[str, list[dict]] = field(default_factory=lambda: {"a": [], "b": [], "c": [], "l": [], "n": []})
+    rows: dict[str, list[dict]] = field(default_factory=lambda: {k: [] for k in ("a", "b", "c", "l", "n", "t")})
     skipped: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     section_s: dict[str, float] = field(default_factory=dict)

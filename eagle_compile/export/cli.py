@@ -15,7 +15,16 @@ head its engine would run differently from eagle_compile (for example norm_befor
 --format onnx writes the programs, not a head folder: target.onnx (the tree-verify step, also the prefill),
 draft_fuse.onnx and draft.onnx with their KV caches as inputs and outputs, d2t.npy and eagle31_onnx.json (names,
 shapes, buckets, capture indices, tree); eagle_compile.export.onnx_runtime.OnnxEagle decodes over them. It needs
-the `onnx` extra and loads the whole target (--target: an HF folder). --format tensorrt is not available yet.
+the `onnx` extra and loads the whole target (--target: an HF folder).
+
+  eagle31 export --format tensorrt runs/trt --programs-only     # on CPU: the checked programs, no engines
+  eagle31 export --format tensorrt runs/trt --buckets 1,2,4,8 --max-cache-len 4096   # on CUDA with TensorRT
+
+--format tensorrt writes the same programs (functional KV caches) exported per batch bucket at static shapes,
+each checked to hold only ops torch-tensorrt converts (programs/*.pt2), and, where torch_tensorrt imports and
+CUDA is present, one TensorRT engine per program and bucket (engines/*.ep, torch_tensorrt.save's
+ExportedProgram); eagle31_tensorrt.json lists inputs, outputs, shapes and the op report. The engines need the
+`tensorrt` extra on a CUDA machine; --programs-only stops before them (what a CPU machine can do).
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ def add_export_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("export", help="write a draft head as a vLLM / SGLang / speculators folder",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--format", required=True, choices=(*ENGINES, *PROGRAM_FORMATS),
-                   help="vllm, sglang or speculators (a head folder), onnx (the programs); tensorrt: not yet available")
+                   help="vllm, sglang or speculators (a head folder); onnx or tensorrt (the programs)")
     p.add_argument("out", metavar="OUT", help="folder to write (new or empty; see --overwrite)")
     p.add_argument("--draft", default=None, metavar="HEAD_FOLDER",
                    help="draft head folder, official EAGLE-3 or speculators layout (default: the shipped head)")
@@ -49,6 +58,12 @@ def add_export_parser(subparsers) -> argparse.ArgumentParser:
                    help="onnx: the tree the ONNX runtime builds by default, as eagle31 tree options (default: the "
                         "head's tree.json when chosen for this device and dtype, else EAGLE's default tree)")
     p.add_argument("--opset", type=int, default=18, choices=OPSETS, help="onnx: the ONNX opset (default 18)")
+    p.add_argument("--buckets", default="1,2,4,8", metavar="B,B,..",
+                   help="tensorrt: batch buckets, one engine per program and bucket (default 1,2,4,8)")
+    p.add_argument("--max-cache-len", type=int, default=2048, metavar="S",
+                   help="tensorrt: KV slots of every cache, static in the engines (default 2048)")
+    p.add_argument("--programs-only", action="store_true",
+                   help="tensorrt: write the checked programs without building engines (no TensorRT needed)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace config.json and model.safetensors in an OUT that already holds files")
     return p
@@ -59,12 +74,8 @@ def run_export(args: argparse.Namespace) -> int:
     from eagle_compile.errors import CheckpointError, ExportError
     from eagle_compile.export.heads import export_head
 
-    if args.format == "onnx":
-        return _export_onnx(args)
     if args.format in PROGRAM_FORMATS:
-        print(f"eagle31 export: --format {args.format} is not available yet (it will export the compiled "
-              f"programs, not a head folder); head folders: --format {' | '.join(ENGINES)}", file=sys.stderr)
-        return 2
+        return _export_programs(args)
     try:
         target_cfg, target_name = _target_config(args.target)
         draft = _draft_folder(args.draft)
@@ -90,14 +101,13 @@ def run_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _export_onnx(args: argparse.Namespace) -> int:
-    """The ONNX programs of the target and head (the whole target is loaded: its weights go into target.onnx)."""
+def _export_programs(args: argparse.Namespace) -> int:
+    """The ONNX or TensorRT programs of the target and head (the whole target is loaded: its weights go in)."""
     import json
 
     import torch
 
-    from eagle_compile.errors import OptionsError
-    from eagle_compile.export.onnx import export_onnx
+    from eagle_compile.errors import ExportError, OptionsError
     from eagle_compile.targets import load_target
 
     out = Path(args.out)
@@ -110,11 +120,37 @@ def _export_onnx(args: argparse.Namespace) -> int:
     except json.JSONDecodeError as error:
         raise OptionsError(f"--tree is not JSON ({error}); e.g. --tree '{{\"chain\": 3}}'") from error
     model, _ = load_target(args.target)
+    draft = str(_draft_folder(args.draft))
     with torch.no_grad():
-        manifest = export_onnx(model, str(_draft_folder(args.draft)), out, tree=tree, opset=args.opset)
+        if args.format == "onnx":
+            from eagle_compile.export.onnx import export_onnx
+
+            manifest = export_onnx(model, draft, out, tree=tree, opset=args.opset)
+        else:
+            from eagle_compile.export.tensorrt import export_tensorrt
+
+            try:
+                manifest = export_tensorrt(model, draft, out, tree=tree, buckets=_buckets(args.buckets),
+                                           max_cache_len=args.max_cache_len, programs_only=args.programs_only)
+            except ExportError as error:
+                print(f"eagle31 export: {error}", file=sys.stderr)
+                return 2
     print(f"wrote {out}: {', '.join(sorted(p.name for p in out.iterdir()))}; tree {manifest.get('tree')}")
-    print("decode over it with eagle_compile.export.onnx_runtime.OnnxEagle(OUT).generate([prompt_ids], ...)")
+    if args.format == "onnx":
+        print("decode over it with eagle_compile.export.onnx_runtime.OnnxEagle(OUT).generate([prompt_ids], ...)")
+    else:
+        print(f"engines: {manifest['engines']}; every program holds only ops torch-tensorrt handles "
+              f"({out / 'eagle31_tensorrt.json'} lists them)")
     return 0
+
+
+def _buckets(text: str) -> tuple[int, ...]:
+    from eagle_compile.errors import OptionsError
+
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError as error:
+        raise OptionsError(f"--buckets {text!r}: give comma-separated batch sizes, e.g. 1,2,4,8") from error
 
 
 def serve_command(engine: str, out: Path, target: str, tokens: int) -> str:

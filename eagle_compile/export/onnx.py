@@ -3,7 +3,7 @@ manifest (DESIGN.md §7).
 
 `OUT/` receives
 
-* `target.onnx`: `TargetVerifyProgram` (export/onnx_programs.py), functional KV in optimum's names
+* `target.onnx`: `TargetVerifyProgram` (export/programs.py), functional KV in optimum's names
   (`past_key_values.{i}.key` in, `present.{i}.key` out), logits and the EAGLE-3 features out;
 * `draft_fuse.onnx` and `draft.onnx`: `DraftFuseProgram` and `DraftStepProgram`;
 * `d2t.npy`: the draft-to-target vocabulary offsets (`target id = j + d2t[j]`, int64 `[Vd]`);
@@ -29,24 +29,31 @@ import numpy as np
 import torch
 from torch.export import Dim
 
-from eagle_compile.capture_indices import default_capture_indices, validate_capture_indices
 from eagle_compile.core.tree import TreeShape
 from eagle_compile.errors import OptionsError
 from eagle_compile.export.onnx_ops import TRANSLATIONS
-from eagle_compile.export.onnx_programs import (
+from eagle_compile.export.programs import (
+    EXAMPLE_SIZES,
     DraftFuseProgram,
     DraftStepProgram,
     TargetVerifyProgram,
+    capture_indices,
+    draft_example,
+    fuse_example,
+    head_dim,
+    kv_heads,
+    load_head,
     past_names,
     present_names,
+    target_example,
+    tree_shape,
 )
 from eagle_compile.options import DEFAULT_BUCKETS, parse_options
 
 MANIFEST = "eagle31_onnx.json"
 FORMAT_VERSION = 1
 OPSETS = (18, 19, 20)
-# Example sizes of the traced call: batch, tokens, block width, slots (>= 2 and distinct: nothing specialises).
-_EXAMPLE = {"batch": 2, "tokens": 3, "block": 5, "slots": 17}
+_SIZES = tuple(EXAMPLE_SIZES[k] for k in ("batch", "tokens", "block", "slots"))
 
 
 def export_onnx(model: torch.nn.Module, head: Any, out: str | Path, *, tree: TreeShape | dict | None = None,
@@ -68,27 +75,27 @@ def export_onnx(model: torch.nn.Module, head: Any, out: str | Path, *, tree: Tre
     if opset not in OPSETS:
         raise OptionsError(f"opset={opset}: export_onnx writes opsets {OPSETS[0]}-{OPSETS[-1]}")
     buckets = parse_options({"batch_buckets": tuple(buckets)}).batch_buckets
-    head = _load_head(model, head)
+    head = load_head(model, head, "export_onnx")
     shape, tree_source = _tree(model, head, tree)
     config = model.config.get_text_config()
-    capture = _capture_indices(head, config.num_hidden_layers)
+    capture = capture_indices(head, config.num_hidden_layers)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     dtype = next(model.parameters()).dtype
     with torch.no_grad():
-        target = _export(TargetVerifyProgram(model, capture).eval(), _target_example(model, dtype), opset, optimize,
-                         out / "target.onnx", **_target_signature(config.num_hidden_layers))
-        fuse = _export(DraftFuseProgram(head).eval(), _fuse_example(head, dtype), opset, optimize,
+        target = _export(TargetVerifyProgram(model, capture).eval(), target_example(model, dtype, *_SIZES), opset,
+                         optimize, out / "target.onnx", **_target_signature(config.num_hidden_layers))
+        fuse = _export(DraftFuseProgram(head).eval(), fuse_example(head, dtype, *_SIZES[:2]), opset, optimize,
                        out / "draft_fuse.onnx", inputs={"features": ("batch", "tokens", None)},
                        outputs={"hidden": ("batch", "tokens", None)})
-        draft = _export(DraftStepProgram(head).eval(), _draft_example(head, dtype), opset, optimize,
+        draft = _export(DraftStepProgram(head).eval(), draft_example(head, dtype, *_SIZES), opset, optimize,
                         out / "draft.onnx", **_draft_signature())
     np.save(out / "d2t.npy", head.d2t.cpu().numpy().astype(np.int64))
     manifest = {
         "format": "eagle31-onnx", "version": FORMAT_VERSION, "opset": opset,
         "dtype": str(dtype).removeprefix("torch."),
         "target": {**target, "architecture": type(model).__name__, "num_layers": config.num_hidden_layers,
-                   "kv_heads": _kv_heads(config), "head_dim": _head_dim(config),
+                   "kv_heads": kv_heads(config), "head_dim": head_dim(config),
                    "vocab_size": model.get_output_embeddings().out_features, "hidden_size": config.hidden_size,
                    "eos_token_id": getattr(model.generation_config, "eos_token_id", None)},
         "draft_fuse": fuse,
@@ -149,73 +156,9 @@ def _draft_signature() -> dict:
     return {"inputs": inputs, "outputs": outputs}
 
 
-def _mask_example(vocab: int) -> dict[str, torch.Tensor]:
-    b, t, w, s = (_EXAMPLE[k] for k in ("batch", "tokens", "block", "slots"))
-    g = torch.Generator().manual_seed(0)
-    local = torch.rand(b, t, w, generator=g) > 0.5
-    local[:, :, 0] = True
-    base = torch.tensor([4, 7])
-    values = {"input_ids": torch.randint(0, vocab, (b, t), generator=g),
-              "position_ids": base[:, None] + torch.arange(t), "mask_base": base, "mask_local": local,
-              "write_slots": base[:, None] + torch.arange(t)}
-    return values
-
-
-def _target_example(model, dtype) -> dict[str, torch.Tensor]:
-    config = model.config.get_text_config()
-    b, s = _EXAMPLE["batch"], _EXAMPLE["slots"]
-    cache = (b, _kv_heads(config), s, _head_dim(config))
-    past = {name: torch.zeros(cache, dtype=dtype) for name in past_names(config.num_hidden_layers)}
-    return {**_mask_example(config.vocab_size), **past}
-
-
-def _fuse_example(head, dtype) -> dict[str, torch.Tensor]:
-    width = head.config.num_features * head.config.target_hidden_size
-    return {"features": torch.zeros(_EXAMPLE["batch"], _EXAMPLE["tokens"], width, dtype=dtype)}
-
-
-def _draft_example(head, dtype) -> dict[str, torch.Tensor]:
-    b, t, s = _EXAMPLE["batch"], _EXAMPLE["tokens"], _EXAMPLE["slots"]
-    mask = _mask_example(head.config.vocab_size)
-    cache = (b, head.config.num_key_value_heads, s, head.config.head_dim)
-    return {"input_ids": mask.pop("input_ids"), "hidden": torch.zeros(b, t, head.config.hidden_size, dtype=dtype),
-            **mask, **{name: torch.zeros(cache, dtype=dtype) for name in past_names(1)}}
-
-
-def _load_head(model, head):
-    if isinstance(head, (str, Path)):
-        from eagle_compile.draft.checkpoint import load_draft
-
-        head = load_draft(head, target=model, dtype=next(model.parameters()).dtype)
-    if not hasattr(head, "midlayer") or not hasattr(head, "fuse"):
-        raise TypeError(f"export_onnx exports an EagleDraftModel (or its checkpoint folder), got "
-                        f"{type(head).__name__}: other Drafters have no ONNX program")
-    if head.embed_tokens.weight is None:
-        head.tie_target_embedding(model)
-    return head.eval()
-
-
 def _tree(model, head, tree) -> tuple[TreeShape, str]:
-    from eagle_compile.runtime.generate import _tree_shape
-
-    if isinstance(tree, TreeShape):
-        shape, source = tree, "given"
-    else:
-        shape, source = _tree_shape(model, head, parse_options(tree))
+    shape, source = tree_shape(model, head, tree)
     if shape.copy:
         raise OptionsError(f"tree copy={shape.copy}: the ONNX runtime has no copy branch (prompt lookup) yet; "
                            "export a tree without one")
     return shape, source
-
-
-def _capture_indices(head, layers: int) -> tuple[int, ...]:
-    indices = head.config.capture_indices
-    return default_capture_indices(layers) if indices is None else validate_capture_indices(indices, layers)
-
-
-def _kv_heads(config) -> int:
-    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-
-
-def _head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

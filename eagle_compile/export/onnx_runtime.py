@@ -30,7 +30,7 @@ from eagle_compile.core.tree import TreeShape
 from eagle_compile.core.verify import draw_uniforms
 from eagle_compile.errors import OptionsError
 from eagle_compile.export.onnx import MANIFEST
-from eagle_compile.export.onnx_programs import past_names
+from eagle_compile.export.programs import past_names
 from eagle_compile.runtime.decoder import cache_slots_needed
 from eagle_compile.runtime.sampling import SamplingParams
 from eagle_compile.runtime.step import SpeculativeStep, StepState, catch_up, fill_draft

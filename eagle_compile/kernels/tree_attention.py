@@ -152,7 +152,7 @@ def tree_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     groups = q.shape[1] // k_cache.shape[1]
     k = k_cache.repeat_interleave(groups, dim=1)
     v = v_cache.repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=_additive(visible, q.dtype), scale=scale)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=additive_mask(visible, q.dtype), scale=scale)
     return out.masked_fill(~visible.any(-1, keepdim=True), 0.0)
 
 
@@ -190,7 +190,7 @@ SMALL_BLOCK_ELEMENTS = 1 << 16
 def _flash(q, k, v, scale: float, visible: torch.Tensor | None, causal: bool = False):
     """(out [B, Hq, T, hd] in q's dtype and layout, lse [B, Hq, T] with -inf where a query saw nothing)."""
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-    mask = None if visible is None else _additive(visible, q.dtype)
+    mask = None if visible is None else additive_mask(visible, q.dtype)
     out, lse = flash(q, k, v, is_causal=causal, attn_mask=mask, scale=scale)[:2]
     if visible is not None:
         lse = lse.masked_fill(~visible.any(-1), float("-inf"))
@@ -238,9 +238,10 @@ def _merge(out_a, lse_a, out_b, lse_b) -> torch.Tensor:
     return (out_a.to(acc) * wa + out_b.to(acc) * wb) / torch.where(total > 0, total, 1.0)
 
 
-def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    zero = torch.zeros((), dtype=dtype, device=visible.device)
-    return torch.where(visible, zero, torch.tensor(float("-inf"), dtype=dtype, device=visible.device))
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where `visible`, -inf elsewhere, in `dtype`. No tensor constant: decompositions (the TensorRT export
+    inlines this as `eagle31::slot_mask`'s reference) cannot hold a `torch.tensor(...)` literal."""
+    return torch.full(visible.shape, float("-inf"), dtype=dtype, device=visible.device).masked_fill(visible, 0.0)
 
 
 def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, base: torch.Tensor,
@@ -327,7 +328,7 @@ def slot_mask(base: torch.Tensor, local: torch.Tensor | None, tokens: int, slots
     """The dense additive mask `[B, 1, T, S]` (0 = attend, -inf = blocked) of `visible_slots`: what an HF model
     takes as its 4-D attention mask. In a captured program the `tree_attention` pass replaces every SDPA that
     reads it with `eagle31::tree_attention(.., base, local, ..)`, after which it is dead code."""
-    return _additive(visible_slots(base, local, tokens, slots)[:, None], dtype)
+    return additive_mask(visible_slots(base, local, tokens, slots)[:, None], dtype)
 
 
 @slot_mask.register_fake

@@ -53,19 +53,13 @@ def test_draft_and_target_folders(tmp_path, capsys):
     assert "vocab_size 64" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("fmt", ["tensorrt"])
-def test_program_formats_are_not_available_yet(tmp_path, capsys, fmt):
-    assert main(["export", "--format", fmt, str(tmp_path / "x")]) == 2
-    assert f"--format {fmt} is not available yet" in capsys.readouterr().err
-    assert not (tmp_path / "x").exists()
-
-
 def test_help(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["export", "--help"])
     assert exit_.value.code == 0
     text = capsys.readouterr().out
-    for word in ("--format", "vllm", "sglang", "speculators", "--draft", "--target", "OUT", "--overwrite"):
+    for word in ("--format", "vllm", "sglang", "speculators", "onnx", "tensorrt", "--programs-only", "--draft",
+                 "--target", "OUT", "--overwrite"):
         assert word in text
 
 

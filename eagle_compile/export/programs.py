@@ -18,10 +18,14 @@ the dense mask `eagle31::slot_mask` builds, as `TargetProgram` does), and the dr
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 from transformers.cache_utils import Cache, StaticLayer
 
+from eagle_compile.capture_indices import default_capture_indices, validate_capture_indices
+from eagle_compile.core.tree import TreeShape
 from eagle_compile.runtime.kv_cache import _write_slots
 
 
@@ -145,3 +149,82 @@ class DraftStepProgram(nn.Module):
         normed = head.norm(o)
         feedback = normed if head.config.norm_output else o
         return head.lm_head(normed), feedback, keys, values
+
+
+# --- what the exports need around the programs: the head, the tree, the capture indices, example inputs ---
+
+#: Example sizes of a traced call: batch, tokens, block width, slots. ONNX traces with every dimension dynamic,
+#: so its sizes are all >= 2 and distinct and export specialises none of them (COMPILE_FACTS.md §6b).
+EXAMPLE_SIZES = {"batch": 2, "tokens": 3, "block": 5, "slots": 17}
+
+
+def load_head(model: nn.Module, head, who: str) -> nn.Module:
+    """`head` (an `EagleDraftModel` or its checkpoint folder) loaded for `model`, tied to its embedding, in eval."""
+    if isinstance(head, (str, Path)):
+        from eagle_compile.draft.checkpoint import load_draft
+
+        head = load_draft(head, target=model, dtype=next(model.parameters()).dtype)
+    if not hasattr(head, "midlayer") or not hasattr(head, "fuse"):
+        raise TypeError(f"{who} exports an EagleDraftModel (or its checkpoint folder), got "
+                        f"{type(head).__name__}: other Drafters have no exported program")
+    if head.embed_tokens.weight is None:
+        head.tie_target_embedding(model)
+    return head.eval()
+
+
+def tree_shape(model: nn.Module, head: nn.Module, tree) -> tuple[TreeShape, str]:
+    """(the tree, where it came from): a `TreeShape` as given, or eagle31 tree options resolved as
+    `eagle_compile.generate` resolves them (None: the head's tree.json when chosen for this device and dtype)."""
+    from eagle_compile.options import parse_options
+    from eagle_compile.runtime.generate import _tree_shape
+
+    if isinstance(tree, TreeShape):
+        return tree, "given"
+    return _tree_shape(model, head, parse_options(tree))
+
+
+def capture_indices(head: nn.Module, layers: int) -> tuple[int, ...]:
+    indices = head.config.capture_indices
+    return default_capture_indices(layers) if indices is None else validate_capture_indices(indices, layers)
+
+
+def kv_heads(config) -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def mask_example(vocab: int, batch: int, tokens: int, block: int) -> dict[str, torch.Tensor]:
+    """Block inputs of a traced call: ids, positions, the `SlotMask` pair (each query sees itself, slot 0 of the
+    block and random others) and write slots, rows at different offsets."""
+    g = torch.Generator().manual_seed(0)
+    local = torch.rand(batch, tokens, block, generator=g) > 0.5
+    local[:, :, 0] = True
+    base = 4 + 3 * torch.arange(batch)
+    return {"input_ids": torch.randint(0, vocab, (batch, tokens), generator=g),
+            "position_ids": base[:, None] + torch.arange(tokens), "mask_base": base, "mask_local": local,
+            "write_slots": base[:, None] + torch.arange(tokens)}
+
+
+def target_example(model: nn.Module, dtype: torch.dtype, batch: int, tokens: int, block: int,
+                   slots: int) -> dict[str, torch.Tensor]:
+    config = model.config.get_text_config()
+    cache = (batch, kv_heads(config), slots, head_dim(config))
+    past = {name: torch.zeros(cache, dtype=dtype) for name in past_names(config.num_hidden_layers)}
+    return {**mask_example(config.vocab_size, batch, tokens, block), **past}
+
+
+def fuse_example(head: nn.Module, dtype: torch.dtype, batch: int, tokens: int) -> dict[str, torch.Tensor]:
+    width = head.config.num_features * head.config.target_hidden_size
+    return {"features": torch.zeros(batch, tokens, width, dtype=dtype)}
+
+
+def draft_example(head: nn.Module, dtype: torch.dtype, batch: int, tokens: int, block: int,
+                  slots: int) -> dict[str, torch.Tensor]:
+    mask = mask_example(head.config.vocab_size, batch, tokens, block)
+    cache = (batch, head.config.num_key_value_heads, slots, head.config.head_dim)
+    return {"input_ids": mask.pop("input_ids"),
+            "hidden": torch.zeros(batch, tokens, head.config.hidden_size, dtype=dtype),
+            **mask, **{name: torch.zeros(cache, dtype=dtype) for name in past_names(1)}}
