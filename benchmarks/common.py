@@ -233,3 +233,41 @@ def long_report(tokenizer, data: Path, length: int) -> torch.Tensor:
             if ids.shape[1] >= length:
                 return ids[:, :length]
     raise SystemExit(f"no government report has {length} tokens")
+
+
+def mt_bench(tokenizer, data: Path, count: int) -> list[torch.Tensor]:
+    rows = [json.loads(line) for line in (data / "spec_bench" / "question.jsonl").read_text().splitlines()]
+    turns = [r["turns"][0] for r in rows if 81 <= r["question_id"] <= 160][:count]
+    return [chat_ids(tokenizer, t) for t in turns]
+
+
+def compare_with_hf(model, compiled, cases: list[tuple[torch.Tensor, torch.Tensor | None]], new: int,
+                    rounds: int) -> dict:
+    """Total seconds of HF greedy `generate` and eagle31's `compiled.generate` over `cases` ((ids, mask) pairs),
+    interleaved for `rounds` rounds after one warm-up call each (captures; also the exactness check); exactness,
+    tau, eagle31's prefill seconds and its statistics (the last round's, one per case)."""
+    eagle_stats = []
+
+    def eagle(ids, mask):
+        out = compiled.generate(ids, attention_mask=mask, max_new_tokens=new, return_dict_in_generate=True)
+        eagle_stats.append(out.stats)
+        return out.sequences
+
+    def hf(ids, mask):
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+
+    exact = 0
+    for ids, mask in cases:                               # warm-up (capture), and the exactness check
+        exact += int(torch.equal(eagle(ids, mask), hf(ids, mask)))
+    eagle_stats.clear()
+    calls = {}
+    for i, (ids, mask) in enumerate(cases):
+        calls[("eagle31", i)] = lambda ids=ids, mask=mask: eagle(ids, mask)
+        calls[("hf", i)] = lambda ids=ids, mask=mask: hf(ids, mask)
+    times = interleaved_times(calls, repeats=rounds, warmup=0)
+    total = {m: sum(v["median"] for (who, _), v in times.items() if who == m) for m in ("eagle31", "hf")}
+    lengths = [n for s in eagle_stats for n in s.acceptance_lengths]
+    return {"exact": exact, "cases": len(cases), "hf_s": total["hf"], "eagle31_s": total["eagle31"],
+            "speedup": total["hf"] / total["eagle31"], "tau": sum(lengths) / max(1, len(lengths)),
+            "prefill_s": sum(s.prefill_time for s in eagle_stats) / max(1, rounds),
+            "tree": eagle_stats[-1].tree if eagle_stats else None, "stats": eagle_stats[-len(cases):]}

@@ -33,12 +33,12 @@ import torch
 from common import (
     DEFAULT_DATA_DIR,
     DEFAULT_OUT_DIR,
-    chat_ids,
+    compare_with_hf,
     environment,
-    interleaved_times,
     left_pad,
     long_report,
     markdown_table,
+    mt_bench,
     print_load,
     set_threads,
     write_json,
@@ -79,41 +79,6 @@ def config_options(name: str, head, folder: Path) -> dict[str, Any]:
     raise SystemExit(f"--configs: unknown {name!r} (readme, tree.json)")
 
 
-def mt_bench(tokenizer, data: Path, count: int) -> list[torch.Tensor]:
-    rows = [json.loads(line) for line in (data / "spec_bench" / "question.jsonl").read_text().splitlines()]
-    turns = [r["turns"][0] for r in rows if 81 <= r["question_id"] <= 160][:count]
-    return [chat_ids(tokenizer, t) for t in turns]
-
-
-def compare(model, compiled, cases: list[tuple[torch.Tensor, torch.Tensor | None]], new: int, rounds: int) -> dict:
-    """Total seconds of HF and eagle31 over `cases` (interleaved), exactness, tau and eagle31's prefill share."""
-    eagle_stats = []
-
-    def eagle(ids, mask):
-        out = compiled.generate(ids, attention_mask=mask, max_new_tokens=new, return_dict_in_generate=True)
-        eagle_stats.append(out.stats)
-        return out.sequences
-
-    def hf(ids, mask):
-        return model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
-
-    exact = 0
-    for ids, mask in cases:                               # warm-up (capture), and the exactness check
-        exact += int(torch.equal(eagle(ids, mask), hf(ids, mask)))
-    eagle_stats.clear()
-    calls = {}
-    for i, (ids, mask) in enumerate(cases):
-        calls[("eagle31", i)] = lambda ids=ids, mask=mask: eagle(ids, mask)
-        calls[("hf", i)] = lambda ids=ids, mask=mask: hf(ids, mask)
-    times = interleaved_times(calls, repeats=rounds, warmup=0)
-    total = {m: sum(v["median"] for (who, _), v in times.items() if who == m) for m in ("eagle31", "hf")}
-    lengths = [n for s in eagle_stats for n in s.acceptance_lengths]
-    return {"exact": exact, "cases": len(cases), "hf_s": total["hf"], "eagle31_s": total["eagle31"],
-            "speedup": total["hf"] / total["eagle31"], "tau": sum(lengths) / max(1, len(lengths)),
-            "prefill_s": sum(s.prefill_time for s in eagle_stats) / max(1, rounds),
-            "tree": eagle_stats[-1].tree if eagle_stats else None}
-
-
 def package_commit(package_dir: Path) -> str | None:
     """The git commit of the checkout `eagle_compile` was imported from (an older worktree for a 'before')."""
     done = subprocess.run(["git", "-C", str(package_dir), "rev-parse", "HEAD"], capture_output=True, text=True)
@@ -137,8 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     def run(section: str, config: str, cases, new: int, what: str) -> None:
         torch._dynamo.reset()
         compiled = torch.compile(model, backend="eagle31", options=config_options(config, head, folder))
-        row = {"section": section, "config": config, "what": what, "new_tokens": new,
-               **compare(model, compiled, cases, new, args.rounds)}
+        measured = compare_with_hf(model, compiled, cases, new, args.rounds)
+        measured.pop("stats")
+        row = {"section": section, "config": config, "what": what, "new_tokens": new, **measured}
         rows.append(row)
         print(f"  {section} {config} {what}: {row['speedup']:.2f}x HF (HF {row['hf_s']:.1f} s, eagle31 "
               f"{row['eagle31_s']:.1f} s, prefill {row['prefill_s']:.1f} s), tau {row['tau']:.2f}, exact "
