@@ -35,6 +35,7 @@ from common import (
     set_threads,
     write_json,
 )
+from gpu.base import kv_bytes
 
 MIB = 2 ** 20
 
@@ -69,21 +70,8 @@ def new_tokens(sequences: torch.Tensor, prompt_len: int, eos: set[int], pad: int
     return total
 
 
-def kv_bytes(model, head, rows: int, slots: int) -> int:
-    """Bytes of the static KV caches of a bucket: the target's layers and the draft's one layer."""
-    cfg = model.config.get_text_config()
-    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    target = 2 * cfg.num_hidden_layers * rows * cfg.num_key_value_heads * slots * hd * 4
-    draft = 2 * rows * head.config.num_key_value_heads * slots * head.config.head_dim * 4
-    return target + draft
-
-
-def bucket_of(rows: int, buckets: tuple[int, ...]) -> int:
-    return next(b for b in buckets if b >= rows)
-
-
 def measure(model, head, tokenizer, args, batch: int) -> dict:
-    from eagle_compile.options import DEFAULT_BUCKETS
+    from eagle_compile.runtime.generate import _decoders
 
     pad = tokenizer.pad_token_id or 0
     prompts = mt_bench(tokenizer, args.data, batch)
@@ -95,27 +83,19 @@ def measure(model, head, tokenizer, args, batch: int) -> dict:
     stats = row.pop("stats")[-1]
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=args.new_tokens, do_sample=False)
-    tokens = new_tokens(out, ids.shape[1], eos, pad)
-    bucket = bucket_of(batch, DEFAULT_BUCKETS)
+    tokens = new_tokens(row.pop("hf_sequences")[-1], ids.shape[1], eos, pad)
+    # the decoder's own rules for the bucket and the static cache slots it allocated (every call allocates them)
+    decoder = list(_decoders[model].values())[-1]
+    bucket, slots = decoder._bucket(batch), decoder._slots([p.reshape(-1) for p in prompts], args.new_tokens)
+    kv = kv_bytes(model.config, bucket, slots, 4) + kv_bytes(head.config, bucket, slots, 4)
     policy = (stats.calibration or {}).get("policy", {})
     chosen = policy.get("chosen", {"fixed tree": stats.cycles})
     return {"batch": batch, "bucket": bucket, "prompt_len": ids.shape[1], "new_tokens": tokens, **row,
             "hf_tok_s": tokens / row["hf_s"], "eagle31_tok_s": tokens / row["eagle31_s"],
-            "slots": call_slots(model, prompts, args.new_tokens),
-            "kv_bytes": kv_bytes(model, head, bucket, call_slots(model, prompts, args.new_tokens)),
+            "slots": slots, "kv_bytes": kv,
             "rss_growth_bytes": rss_bytes() - before, "programs": {str(k): v for k, v in chosen.items()},
             "plain_cycles": policy.get("plain_cycles")}
 
-
-def call_slots(model, prompts: list[torch.Tensor], new: int) -> int:
-    """Static cache slots the decoder allocates for these prompts (every call allocates its caches; the rule is
-    the decoder's own `_slots`: prompt + new tokens + the largest tree, rounded up to cache_len_multiple)."""
-    from eagle_compile.runtime.generate import _decoders
-
-    decoder = list(_decoders[model].values())[-1]
-    return decoder._slots([p.reshape(-1) for p in prompts], new)
 
 
 def plot(rows: list[dict], path: Path) -> None:

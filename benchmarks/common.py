@@ -245,7 +245,7 @@ def compare_with_hf(model, compiled, cases: list[tuple[torch.Tensor, torch.Tenso
                     rounds: int) -> dict:
     """Total seconds of HF greedy `generate` and eagle31's `compiled.generate` over `cases` ((ids, mask) pairs),
     interleaved for `rounds` rounds after one warm-up call each (captures; also the exactness check); exactness,
-    tau, eagle31's prefill seconds and its statistics (the last round's, one per case)."""
+    tau, eagle31's prefill seconds, its statistics (the last round's, one per case) and HF's sequences."""
     eagle_stats = []
 
     def eagle(ids, mask):
@@ -256,9 +256,10 @@ def compare_with_hf(model, compiled, cases: list[tuple[torch.Tensor, torch.Tenso
     def hf(ids, mask):
         return model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
 
-    exact = 0
+    exact, hf_sequences = 0, []
     for ids, mask in cases:                               # warm-up (capture), and the exactness check
-        exact += int(torch.equal(eagle(ids, mask), hf(ids, mask)))
+        hf_sequences.append(hf(ids, mask))
+        exact += int(torch.equal(eagle(ids, mask), hf_sequences[-1]))
     eagle_stats.clear()
     calls = {}
     for i, (ids, mask) in enumerate(cases):
@@ -270,4 +271,5 @@ def compare_with_hf(model, compiled, cases: list[tuple[torch.Tensor, torch.Tenso
     return {"exact": exact, "cases": len(cases), "hf_s": total["hf"], "eagle31_s": total["eagle31"],
             "speedup": total["hf"] / total["eagle31"], "tau": sum(lengths) / max(1, len(lengths)),
             "prefill_s": sum(s.prefill_time for s in eagle_stats) / max(1, rounds),
-            "tree": eagle_stats[-1].tree if eagle_stats else None, "stats": eagle_stats[-len(cases):]}
+            "tree": eagle_stats[-1].tree if eagle_stats else None, "stats": eagle_stats[-len(cases):],
+            "hf_sequences": hf_sequences}

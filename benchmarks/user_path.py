@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         torch._dynamo.reset()
         compiled = torch.compile(model, backend="eagle31", options=config_options(config, head, folder))
         measured = compare_with_hf(model, compiled, cases, new, args.rounds)
-        measured.pop("stats")
+        measured.pop("stats"), measured.pop("hf_sequences")
         row = {"section": section, "config": config, "what": what, "new_tokens": new, **measured}
         rows.append(row)
         print(f"  {section} {config} {what}: {row['speedup']:.2f}x HF (HF {row['hf_s']:.1f} s, eagle31 "

@@ -135,9 +135,7 @@ def make_lowering(inner_backend: str, inductor_config: str | Mapping[str, Any] |
     patches)."""
     if inner_backend == "eager":
         return Lowering("eager", {}, reason)
-    if inner_backend == "tensorrt":
-        if inductor_config is not None:
-            raise OptionsError("inductor_config is given with inner_backend='tensorrt'; it sets inductor only")
+    if inner_backend == "tensorrt":       # EagleOptions refuses an inductor_config beside it
         return Lowering("tensorrt", {}, reason)
     return Lowering("inductor", resolve_inductor_config(inductor_config), reason)
 

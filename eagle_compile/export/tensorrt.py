@@ -33,7 +33,6 @@ import numpy as np
 import torch
 from torch.export import Dim
 
-from eagle_compile.core.masks import visible_slots
 from eagle_compile.core.tree import TreeShape
 from eagle_compile.errors import ExportError, OptionsError
 from eagle_compile.export.programs import (
@@ -51,7 +50,7 @@ from eagle_compile.export.programs import (
     tree_shape,
 )
 from eagle_compile.export.tensorrt_ops import TORCH_TENSORRT_PIN, check_ops
-from eagle_compile.kernels.tree_attention import additive_mask, tree_attention_reference
+from eagle_compile.kernels.tree_attention import slot_mask_reference, tree_attention_reference
 from eagle_compile.options import parse_options
 
 MANIFEST = "eagle31_tensorrt.json"
@@ -163,12 +162,17 @@ def export_program(program: torch.nn.Module, example: dict[str, torch.Tensor],
     return ep.run_decompositions(reference_decompositions())
 
 
-def dynamic_shapes(program: torch.nn.Module, example: dict[str, torch.Tensor], max_tokens: int) -> tuple:
-    """torch.export's `dynamic_shapes` of `program`: one `tokens` dim (and one `block` dim) shared by all
-    inputs, every other dimension static."""
+def token_dims(example: dict[str, torch.Tensor], max_tokens: int) -> list[dict | None]:
+    """Per input, its dynamic dims: one `tokens` dim (dim 1 of every input with a token axis) and one `block`
+    dim (the width of `mask_local`) shared by all inputs; every other dimension static."""
     tokens, block = Dim("tokens", min=1, max=max_tokens), Dim("block", min=1, max=max_tokens)
-    dynamic = [({1: tokens, 2: block} if name == "mask_local" else {1: tokens}) if name in TOKEN_AXIS else None
-               for name in example]
+    return [({1: tokens, 2: block} if name == "mask_local" else {1: tokens}) if name in TOKEN_AXIS else None
+            for name in example]
+
+
+def dynamic_shapes(program: torch.nn.Module, example: dict[str, torch.Tensor], max_tokens: int) -> tuple:
+    """torch.export's `dynamic_shapes` of `program`: `token_dims`, the varargs' ones grouped as export wants."""
+    dynamic = token_dims(example, max_tokens)
     named = [p for p in inspect.signature(program.forward).parameters.values() if p.kind != p.VAR_POSITIONAL]
     if len(named) < len(dynamic):            # `*past`: export wants the varargs' shapes as one tuple
         dynamic = [*dynamic[:len(named)], tuple(dynamic[len(named):])]
@@ -182,13 +186,9 @@ TOKEN_AXIS = ("input_ids", "position_ids", "mask_local", "write_slots", "hidden"
 def reference_decompositions() -> dict:
     """Core ATen's decomposition table plus the eagle31 custom ops' torch references."""
     table = torch.export.default_decompositions()
-    table[torch.ops.eagle31.slot_mask.default] = _slot_mask_reference
+    table[torch.ops.eagle31.slot_mask.default] = slot_mask_reference
     table[torch.ops.eagle31.tree_attention.default] = tree_attention_reference
     return table
-
-
-def _slot_mask_reference(base, local, tokens, slots, dtype):
-    return additive_mask(visible_slots(base, local, tokens, slots)[:, None], dtype)
 
 
 def engine_builder() -> EngineBuilder:
@@ -223,7 +223,7 @@ class EngineBuilder:
                                            require_full_compilation=True, pass_through_build_failures=True)
         path.parent.mkdir(parents=True, exist_ok=True)
         self.trt.save(compiled, str(path), output_format="exported_program", arg_inputs=list(example.values()),
-                      dynamic_shapes=dynamic_shapes_of(ep, example, max_tokens))
+                      dynamic_shapes=tuple(token_dims(example, max_tokens)))
         return f"{path.parent.name}/{path.name}"
 
     def _input(self, name: str, value: torch.Tensor, max_tokens: int, opt_tokens: int):
@@ -234,10 +234,3 @@ class EngineBuilder:
         for axis in axes:
             low[axis], opt[axis], high[axis] = 1, opt_tokens, max_tokens
         return self.trt.Input(min_shape=tuple(low), opt_shape=tuple(opt), max_shape=tuple(high), dtype=value.dtype)
-
-
-def dynamic_shapes_of(ep, example: dict[str, torch.Tensor], max_tokens: int) -> tuple:
-    """The export's dynamic shapes, flat per input (how torch_tensorrt.save re-exports the compiled module)."""
-    tokens, block = Dim("tokens", min=1, max=max_tokens), Dim("block", min=1, max=max_tokens)
-    return tuple(({1: tokens, 2: block} if name == "mask_local" else {1: tokens}) if name in TOKEN_AXIS else None
-                 for name in example)

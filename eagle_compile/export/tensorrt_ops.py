@@ -43,10 +43,6 @@ def handled() -> dict[str, frozenset[str]]:
     return {kind: frozenset(ops) for kind, ops in table.items()}
 
 
-def converters() -> frozenset[str]:
-    return handled()["convert"]
-
-
 def live_converters() -> frozenset[str] | None:
     """The names in torch_tensorrt's own converter registry, or None where torch_tensorrt does not import."""
     try:
@@ -67,7 +63,8 @@ def op_name(target) -> str:
     return f"{module}.{getattr(target, '__name__', repr(target))}"
 
 
-def is_converted(name: str, table: frozenset[str]) -> bool:
+def in_table(name: str, table: frozenset[str]) -> bool:
+    """`name` or its op packet (`aten.mm.*`) is listed."""
     packet = name.rsplit(".", 1)[0] + ".*"
     return name in table or packet in table
 
@@ -101,7 +98,7 @@ def check_ops(graph: torch.fx.Graph, table: dict[str, frozenset[str]] | None = N
         if node.op in _STRUCTURAL:
             continue
         name = op_name(node.target)
-        kind = next((k for k in KINDS if node.op == "call_function" and is_converted(name, table[k])), None)
+        kind = next((k for k in KINDS if node.op == "call_function" and in_table(name, table[k])), None)
         if kind is None:
             kind = "custom" if name.startswith("eagle31.") else "fallback"
         counts = getattr(report, kind)

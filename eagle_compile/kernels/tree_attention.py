@@ -322,13 +322,19 @@ def _(q, k_cache, v_cache, base, local, scale):
     return torch.empty_like(q)
 
 
+def slot_mask_reference(base: torch.Tensor, local: torch.Tensor | None, tokens: int, slots: int,
+                        dtype: torch.dtype) -> torch.Tensor:
+    """The dense additive mask `[B, 1, T, S]` (0 = attend, -inf = blocked) of `visible_slots`: what an HF model
+    takes as its 4-D attention mask. Also what the TensorRT export inlines in place of the op."""
+    return additive_mask(visible_slots(base, local, tokens, slots)[:, None], dtype)
+
+
 @torch.library.custom_op("eagle31::slot_mask", mutates_args=())
 def slot_mask(base: torch.Tensor, local: torch.Tensor | None, tokens: int, slots: int,
               dtype: torch.dtype) -> torch.Tensor:
-    """The dense additive mask `[B, 1, T, S]` (0 = attend, -inf = blocked) of `visible_slots`: what an HF model
-    takes as its 4-D attention mask. In a captured program the `tree_attention` pass replaces every SDPA that
+    """`slot_mask_reference` as an op. In a captured program the `tree_attention` pass replaces every SDPA that
     reads it with `eagle31::tree_attention(.., base, local, ..)`, after which it is dead code."""
-    return additive_mask(visible_slots(base, local, tokens, slots)[:, None], dtype)
+    return slot_mask_reference(base, local, tokens, slots, dtype)
 
 
 @slot_mask.register_fake
