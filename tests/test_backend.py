@@ -39,7 +39,7 @@ def test_unknown_option_names_valid_keys():
 @pytest.mark.parametrize("bad, words", [
     ({"depth": 0}, "depth=0"),
     ({"top_k": "3"}, "top_k='3'"),
-    ({"inner_backend": "tvm"}, "['auto', 'eager', 'inductor']"),
+    ({"inner_backend": "tvm"}, "['auto', 'eager', 'inductor', 'tensorrt']"),
     ({"inductor_config": "fast"}, "not a preset"),
     ({"inductor_config": {"no_such_setting": 1}}, "not torch._inductor.config settings"),
     ({"batch_buckets": (4, 2)}, "strictly increasing"),
