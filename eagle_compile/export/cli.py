@@ -1,4 +1,4 @@
-"""``eagle31 export``: write a draft head as a folder that vLLM, SGLang or speculators loads.
+"""``eagle31 export``: a head folder for vLLM, SGLang or speculators, or the programs as ONNX or TensorRT.
 
   eagle31 export --format vllm runs/vllm-head                   # the shipped head, for the embedded target
   eagle31 export --format sglang runs/sglang-head --draft runs/my-head/head --target path/to/hf-model
@@ -41,7 +41,8 @@ OPSETS = (18, 19, 20)
 
 def add_export_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``export`` subcommand to the ``eagle31`` command line."""
-    p = subparsers.add_parser("export", help="write a draft head as a vLLM / SGLang / speculators folder",
+    p = subparsers.add_parser("export",
+                              help="a head for vLLM / SGLang / speculators, or the programs as ONNX / TensorRT",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--format", required=True, choices=(*ENGINES, *PROGRAM_FORMATS),
                    help="vllm, sglang or speculators (a head folder); onnx or tensorrt (the programs)")
