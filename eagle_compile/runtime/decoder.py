@@ -65,6 +65,9 @@ from eagle_compile.runtime.step_program import StepProgram
 from eagle_compile.runtime.stopping import StopChecker
 from eagle_compile.runtime.target_program import TargetProgram
 
+#: sampling settings whose CUDA graphs (one per bucket) a decoder keeps; the least recently used goes first
+MAX_GRAPHED_SETTINGS = 4
+
 
 class SpeculativeDecoder:
     """Owns the captured programs of one target model and runs speculative (or plain) generation."""
@@ -107,16 +110,26 @@ class SpeculativeDecoder:
         self.window = ContextWindow.of(model, head_config, step_program=options.step_program)
 
     def _step(self, sampling: SamplingParams) -> SpeculativeStep | StepProgram | PlainStep:
-        if sampling not in self._steps:
-            self._steps[sampling] = self._build_step(sampling, self.shape if self.speculate else None)
-        return self._steps[sampling]
+        return self._keyed_step(sampling, None, self.shape if self.speculate else None)
 
     def step_for(self, sampling: SamplingParams, entry: MenuEntry) -> SpeculativeStep | StepProgram | PlainStep:
         """The program of one menu entry (calibration), built on first use."""
-        key = (sampling, entry.name)
-        if key not in self._steps:
-            self._steps[key] = self._build_step(sampling, entry.shape, keep_features=True)
-        return self._steps[key]
+        return self._keyed_step(sampling, entry.name, entry.shape, keep_features=True)
+
+    def _keyed_step(self, sampling: SamplingParams, name: str | None, shape: TreeShape | None,
+                    keep_features: bool = False) -> SpeculativeStep | StepProgram | PlainStep:
+        """The step of one tree shape (`name`: a menu entry), for the call's sampling. A step program bakes the
+        sampling values into its graph, so it is kept per setting; the host-loop steps (and the plain step) run
+        the shared target program and apply the values in Python, so they are kept once per shape and handed
+        the call's values: a server with varied temperatures/top-k/top-p builds nothing new per setting."""
+        baked = self.options.step_program and shape is not None
+        key = (sampling if baked else None, name)
+        step = self._steps.get(key)
+        if step is None:
+            step = self._steps[key] = self._build_step(sampling, shape, keep_features)
+        if not baked:
+            step.sampling = sampling
+        return step
 
     def _build_step(self, sampling: SamplingParams, shape: TreeShape | None, keep_features: bool = False
                     ) -> SpeculativeStep | StepProgram | PlainStep:
@@ -139,6 +152,28 @@ class SpeculativeDecoder:
         if shape is None:
             return 1
         return max(shape.nodes, shape.tree_slots + 1, shape.span + 1)
+
+    @property
+    def cuda_graphs_captured(self) -> int:
+        """CUDA graphs held now (one per bucket and sampling setting of `cudagraphs=True`)."""
+        return sum(len(s.graphs) for s in self._steps.values() if isinstance(s, GraphedStep))
+
+    def books(self) -> dict[str, int]:
+        """What this decoder keeps across calls, by kind (`eagle_compile.footprint` sums them): none of them
+        may grow once every bucket, program and sampling kind a workload uses has run once."""
+        steps = list(self._steps.values())
+        calibration = self.calibration
+        return {"steps": sum(not isinstance(s, GraphedStep) for s in steps),
+                "step_programs": sum(isinstance(s, StepProgram) for s in steps),
+                "graphed_steps": sum(isinstance(s, GraphedStep) for s in steps),
+                "bucket_buffers": len(self._bucket_buffers),
+                "target_graphs": self.program.graphs_captured,
+                "lowered_graphs": len(self.lowering.compiled),
+                "warned_kinds": len(self._warned),
+                "timings": len(self.timings),
+                "cost_tables": 0 if calibration is None else len(calibration.tables),
+                "cost_cache_entries": 0 if calibration is None else len(calibration.cache._memory),
+                "calibration_stash": 0 if calibration is None else len(calibration._stash)}
 
     @property
     def graphs_captured(self) -> int:
@@ -233,10 +268,14 @@ class SpeculativeDecoder:
             self._note(stats, "cudagraphs", "cudagraphs=True ignored: CUDA graphs need a CUDA device, the target "
                                             f"is on {device.type}")
             return None
-        key = ("graphed", sampling)
-        if key not in self._steps:
-            self._steps[key] = GraphedStep(self._step(sampling), runtime=self.graph_runtime)
-        return self._steps[key]
+        step = self._step(sampling)              # also hands a host-loop step this call's sampling
+        key = ("graphed", sampling)              # a CUDA graph bakes the values in: one per setting, LRU-bounded
+        graphed = self._steps.pop(key, None) or GraphedStep(step, runtime=self.graph_runtime)
+        self._steps[key] = graphed               # (re)inserted last: the most recently used
+        stale = [k for k in self._steps if k[0] == "graphed"][:-MAX_GRAPHED_SETTINGS]
+        for k in stale:                          # its CUDA graphs go with it
+            del self._steps[k]
+        return graphed
 
     def _note(self, stats: GenerationStats, kind: str, note: str) -> None:
         """A note in this call's statistics, and a warning the first time this decoder meets its kind."""
