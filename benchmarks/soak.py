@@ -30,6 +30,9 @@ from common import DEFAULT_OUT_DIR, environment, markdown_table, print_load, set
 MIB = 2 ** 20
 #: the tiny target's options: a fixed tree, buckets 1/2/4, prefill chunks 64 and 16
 TINY_OPTIONS = {"depth": 3, "top_k": 2, "total_tokens": 6, "prefill_chunk": 64, "batch_buckets": (1, 2, 4)}
+#: the soak's sampled calls draw top_k and top_p from these (and a temperature in [0.5, 1.5])
+TOP_KS = (0, 20, 50)
+TOP_PS = (1.0, 0.95, 0.8)
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,7 @@ def soak_calls(count: int, seed: int, *, max_rows: int, prompts: tuple[int, int]
                ) -> list[Call]:
     """`count` calls: rows 1..max_rows, prompt lengths in `prompts` (inclusive, per row), max_new_tokens in `new`;
     a third greedy, the rest sampled with a temperature in [0.5, 1.5] (two decimals: a new value nearly every
-    call), top_k in {0, 20, 50} and top_p in {1.0, 0.95, 0.8}."""
+    call), top_k in `TOP_KS` and top_p in `TOP_PS`."""
     rng = random.Random(seed)
     calls = []
     for i in range(count):
@@ -59,22 +62,26 @@ def soak_calls(count: int, seed: int, *, max_rows: int, prompts: tuple[int, int]
             sampling = {"do_sample": False}
         else:
             sampling = {"do_sample": True, "temperature": round(rng.uniform(0.5, 1.5), 2),
-                        "top_k": rng.choice((0, 20, 50)), "top_p": rng.choice((1.0, 0.95, 0.8))}
+                        "top_k": rng.choice(TOP_KS), "top_p": rng.choice(TOP_PS)}
         calls.append(Call(lengths, rng.randint(*new), sampling, seed * 100_003 + i))
     return calls
 
 
 def warmup_calls(buckets: tuple[int, ...], *, max_rows: int, prompts: tuple[int, int], new: tuple[int, int]
                  ) -> list[Call]:
-    """Every bucket the soak reaches, full, with its shortest and longest prompts, greedy and sampled: each
-    (bucket, prefill chunk size, cache size) program the soak can run is captured here."""
+    """Every bucket the soak reaches, full: greedy with its shortest and longest prompts (every prefill chunk
+    size and cache size), then each sampling program key the soak can draw (`SamplingParams.program_key`: the
+    top-k bucket, top-p on or off) with the shortest. Each program the soak can run is captured here; the
+    numbers within a key (temperature, top_k, top_p) never capture anything."""
     used = sorted({next(b for b in buckets if b >= rows) for rows in range(1, max_rows + 1)})
+    kinds = [{"do_sample": True, "temperature": 0.9, "top_k": k, "top_p": p} for k in TOP_KS for p in TOP_PS[:2]]
     calls = []
     for bucket in used:
         rows = min(bucket, max_rows)
         for length in prompts:
-            for sampling in ({"do_sample": False}, {"do_sample": True, "temperature": 0.9, "top_k": 20, "top_p": 0.9}):
-                calls.append(Call((length,) * rows, new[1], sampling, len(calls)))
+            calls.append(Call((length,) * rows, new[1], {"do_sample": False}, len(calls)))
+        for sampling in kinds:
+            calls.append(Call((prompts[0],) * rows, new[1], sampling, len(calls)))
     return calls
 
 

@@ -49,7 +49,7 @@ from eagle_compile.runtime.cuda_graphs import BucketBuffers, CudaGraphRuntime, G
 from eagle_compile.runtime.kv_cache import SlotKVCache
 from eagle_compile.runtime.plain_step import PlainStep
 from eagle_compile.runtime.prefill_plan import prefill_plan
-from eagle_compile.runtime.sampling import SamplingParams, target_probs
+from eagle_compile.runtime.sampling import SamplingParams, SamplingValues, target_probs
 from eagle_compile.runtime.stats import GenerationStats
 from eagle_compile.runtime.step import (
     CycleRead,
@@ -65,7 +65,7 @@ from eagle_compile.runtime.step_program import StepProgram
 from eagle_compile.runtime.stopping import StopChecker
 from eagle_compile.runtime.target_program import TargetProgram
 
-#: sampling settings whose CUDA graphs (one per bucket) a decoder keeps; the least recently used goes first
+#: sampling program keys whose CUDA graphs (one per bucket) a decoder keeps; the least recently used goes first
 MAX_GRAPHED_SETTINGS = 4
 
 
@@ -118,29 +118,30 @@ class SpeculativeDecoder:
 
     def _keyed_step(self, sampling: SamplingParams, name: str | None, shape: TreeShape | None,
                     keep_features: bool = False) -> SpeculativeStep | StepProgram | PlainStep:
-        """The step of one tree shape (`name`: a menu entry), for the call's sampling. A step program bakes the
-        sampling values into its graph, so it is kept per setting; the host-loop steps (and the plain step) run
-        the shared target program and apply the values in Python, so they are kept once per shape and handed
-        the call's values: a server with varied temperatures/top-k/top-p builds nothing new per setting."""
-        baked = self.options.step_program and shape is not None
-        key = (sampling if baked else None, name)
+        """The step of one tree shape (`name`: a menu entry) for the call's sampling. Steps are kept per
+        `SamplingParams.program_key` (greedy or sampling, the top-k bucket, top-p on or off), built from its
+        `structure()`, and read the call's temperature / top_k / top_p from their `SamplingValues`, loaded here:
+        a server with varied settings captures a bounded set of programs, not one per setting."""
+        key = (sampling.program_key, name)
         step = self._steps.get(key)
         if step is None:
-            step = self._steps[key] = self._build_step(sampling, shape, keep_features)
-        if not baked:
-            step.sampling = sampling
+            step = self._steps[key] = self._build_step(sampling.structure(), shape, keep_features)
+        values = step.step.values if isinstance(step, StepProgram) else step.values
+        values.load(sampling)
         return step
 
     def _build_step(self, sampling: SamplingParams, shape: TreeShape | None, keep_features: bool = False
                     ) -> SpeculativeStep | StepProgram | PlainStep:
+        values = SamplingValues(next(self.model.parameters()).device)
         if shape is None:
-            return PlainStep(sampling, self.program, keep_features=keep_features)
+            return PlainStep(sampling, self.program, keep_features=keep_features, values=values)
         if not self.options.step_program:
             return SpeculativeStep(self.drafter, shape, sampling, self.program, timings=self.timings,
-                                   drift=self.options.drift_monitors)
+                                   drift=self.options.drift_monitors, values=values)
         config = self.model.config.get_text_config()
         width = len(self.capture_indices) * config.hidden_size
-        step = SpeculativeStep(self.drafter, shape, sampling, traced_target_forward(self.model, width))
+        step = SpeculativeStep(self.drafter, shape, sampling, traced_target_forward(self.model, width),
+                               values=values)
         return StepProgram(step, self.capture_indices, type(self.model).__name__, feature_width=width,
                            vocab_size=self.model.get_output_embeddings().out_features,
                            lowering=self.lowering, kernels=self.options.kernels,
@@ -268,8 +269,8 @@ class SpeculativeDecoder:
             self._note(stats, "cudagraphs", "cudagraphs=True ignored: CUDA graphs need a CUDA device, the target "
                                             f"is on {device.type}")
             return None
-        step = self._step(sampling)              # also hands a host-loop step this call's sampling
-        key = ("graphed", sampling)              # a CUDA graph bakes the values in: one per setting, LRU-bounded
+        step = self._step(sampling)              # also loads the call's sampling values into the step
+        key = ("graphed", sampling.program_key)  # replays read the values from the step's tensors; LRU-bounded
         graphed = self._steps.pop(key, None) or GraphedStep(step, runtime=self.graph_runtime)
         self._steps[key] = graphed               # (re)inserted last: the most recently used
         stale = [k for k in self._steps if k[0] == "graphed"][:-MAX_GRAPHED_SETTINGS]
@@ -380,7 +381,7 @@ class SpeculativeDecoder:
         if self.lookup is not None:
             self.fill_copy(state, stopper, active)
         if buffers is not None:
-            out = self._steps[("graphed", sampling)](buffers, uniforms, final_uniform)
+            out = self._steps[("graphed", sampling.program_key)](buffers, uniforms, final_uniform)
         else:
             out = self._step(sampling)(state, cache, draft_kv, uniforms, final_uniform)
         read = read_cycle(out)                        # the one host read of the cycle

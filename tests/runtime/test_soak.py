@@ -5,8 +5,9 @@ entry, no decoder book and no live tensor byte (`eagle_compile.footprint` / `gro
 Negative controls prove each counter moves: outputs kept alive by the caller show up as live tensor bytes (and
 go away when dropped), a tensor kept by one of our objects shows up as held bytes (what a captured program's
 pass examples did), a new bucket counts as new graphs and cache entries, a new option value as a new decoder and
-its graphs. The CUDA-graph books keep at most `MAX_GRAPHED_SETTINGS` sampling settings (host replay stand-in),
-and a captured step program drops its pass examples. The long soak with figures is benchmarks/soak.py.
+its graphs. Steps, step programs and CUDA graphs are kept per sampling program key, not per value (host replay
+stand-in for the CUDA graphs, at most `MAX_GRAPHED_SETTINGS` keys), and a captured step program drops its pass
+examples. The long soak with figures is benchmarks/soak.py.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from eagle_compile.options import parse_options
 from eagle_compile.runtime.decoder import MAX_GRAPHED_SETTINGS
 from eagle_compile.runtime.footprint import footprint, growth, held_tensor_bytes
 from eagle_compile.runtime.generate import _decoder, _decoders
+from eagle_compile.runtime.sampling import SamplingParams
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 OPTIONS = {"depth": 3, "top_k": 2, "total_tokens": 6, "prefill_chunk": 64, "batch_buckets": (1, 2, 4)}
@@ -71,7 +73,9 @@ def test_mixed_calls_after_warm_up_grow_nothing(warm):
     assert did["sampling_settings"] >= 20 and did["cycles"] > 48 and did["new_tokens"] > 48
     assert result["before"]["fx_graphs"] > 0 and result["before"]["cache_entries"]["TargetProgram._forward"] > 0
     assert _not_rss(result["growth"]) == []
-    assert result["after"]["books"]["steps"] == 1          # one host-loop step for every sampling setting
+    keys = {SamplingParams(**c.sampling).program_key for c in calls}
+    assert len(keys) == 7        # greedy; top-k buckets 0 / 32 / 64 x top-p on / off
+    assert result["after"]["books"]["steps"] == len(keys)  # one host-loop step per key, whatever the values
     assert len({s["fx_graphs"] for s in result["samples"]}) == 1
 
 
@@ -96,9 +100,10 @@ def test_a_tensor_held_by_our_objects_is_counted(warm):
     context = decoder.program.contexts[0]
     context.step_examples = torch.zeros(1000, dtype=torch.float64)     # what captured programs used to keep
     try:
-        grew = _not_rss(growth(before, footprint(compiled)))
-        assert "held_bytes: 0 -> 8000 (+8000)" in grew, grew
-        assert held_tensor_bytes(decoder) == 8000
+        after = footprint(compiled)
+        assert after.held_bytes == before.held_bytes + 8000 == held_tensor_bytes(decoder)
+        assert {g.split(":")[0] for g in _not_rss(growth(before, after))} == {"held_bytes", "live_tensors",
+                                                                            "live_tensor_bytes"}
     finally:
         context.step_examples = None
 
@@ -117,38 +122,51 @@ def test_a_new_bucket_and_a_new_option_value_count_as_new_graphs(warm):
     assert {"decoders", "fx_graphs", "books.steps", "cache_entries.TargetProgram._forward"} <= grew, grew
 
 
-def test_cuda_graphs_keep_a_bounded_number_of_sampling_settings():
+def test_cuda_graphs_serve_every_value_of_a_program_key_and_keep_a_bounded_number_of_keys():
     model = tiny_target("llama", seed=13)
     head = random_head(model, flags=True, seed=14, reduced=True)
     options = {**OPTIONS, "cudagraphs": True}
     decoder = _decoder(model, head, parse_options(options))
     decoder.graph_runtime = HostReplay()
     ids, mask = ragged([6], seed=9)
-    temperatures = [0.6 + 0.1 * i for i in range(MAX_GRAPHED_SETTINGS + 2)]
-    for t in temperatures:
+
+    def call(**sampling):
         eagle_compile.generate(model, ids, attention_mask=mask, draft=head, options=options, max_new_tokens=3,
-                               do_sample=True, temperature=t)
+                               do_sample=True, **sampling)
+
+    for t, k, p in ((0.6, 20, 0.9), (0.9, 17, 0.8), (1.4, 31, 0.5)):     # one program key: top-k bucket 32, top-p
+        call(temperature=t, top_k=k, top_p=p)
+    assert decoder.books()["graphed_steps"] == 1 and decoder.graph_runtime.warmup_runs == 2     # captured once
+    buckets = [1 << i for i in range(MAX_GRAPHED_SETTINGS + 2)]         # top-k buckets 1, 2, 4, ...: new keys
+    for k in buckets:
+        call(top_k=k)
     books = decoder.books()
-    assert books["graphed_steps"] == MAX_GRAPHED_SETTINGS and books["steps"] == 1
+    assert books["graphed_steps"] == MAX_GRAPHED_SETTINGS and books["steps"] == 1 + len(buckets)
     assert decoder.cuda_graphs_captured == MAX_GRAPHED_SETTINGS          # one bucket each
-    assert decoder.graph_runtime.warmup_runs == len(temperatures) * 2   # every setting captured once
-    eagle_compile.generate(model, ids, attention_mask=mask, draft=head, options=options, max_new_tokens=3,
-                           do_sample=True, temperature=temperatures[-1])      # kept: replayed, not recaptured
-    assert decoder.graph_runtime.warmup_runs == len(temperatures) * 2
-    eagle_compile.generate(model, ids, attention_mask=mask, draft=head, options=options, max_new_tokens=3,
-                           do_sample=True, temperature=temperatures[0])       # evicted: captured again
-    assert decoder.graph_runtime.warmup_runs == (len(temperatures) + 1) * 2
+    captures = decoder.graph_runtime.warmup_runs
+    assert captures == 2 * (1 + len(buckets))
+    call(top_k=buckets[-1], temperature=0.7)           # kept: replayed with its new temperature, not recaptured
+    assert decoder.graph_runtime.warmup_runs == captures
+    call(top_k=buckets[0])                             # evicted: captured again
+    assert decoder.graph_runtime.warmup_runs == captures + 2
     assert decoder.books()["graphed_steps"] == MAX_GRAPHED_SETTINGS
 
 
-def test_a_captured_step_program_keeps_no_pass_examples():
+def test_a_step_program_serves_new_sampling_values_without_a_new_capture_and_keeps_no_pass_examples():
     model = tiny_target("llama", seed=15)
     head = random_head(model, flags=True, seed=16, reduced=True)
     options = {**OPTIONS, "step_program": True}
     ids, mask = ragged([5], seed=10)
-    eagle_compile.generate(model, ids, attention_mask=mask, draft=head, options=options, max_new_tokens=3)
+    for t, k, p in ((0.7, 20, 0.9), (1.3, 25, 0.6)):             # one program key: top-k bucket 32, top-p on
+        eagle_compile.generate(model, ids, attention_mask=mask, draft=head, options=options, max_new_tokens=3,
+                               do_sample=True, temperature=t, top_k=k, top_p=p)
     decoder = _decoder(model, head, parse_options(options))
-    programs = [s for s in decoder._steps.values() if hasattr(s, "contexts")]
-    assert programs and all(p.graphs_captured == 1 for p in programs)
-    assert all(ctx.step_examples is None for p in programs for ctx in p.contexts)
-    assert held_tensor_bytes(decoder) == 0
+    (program,) = [s for s in decoder._steps.values() if hasattr(s, "contexts")]
+    assert program.graphs_captured == 1
+    assert all(ctx.step_examples is None for ctx in program.contexts)
+    assert held_tensor_bytes(decoder) == 3 * 8          # only its SamplingValues: three 0-dim 8-byte tensors
+    before = footprint(model)
+    eagle_compile.generate(model, ids, attention_mask=mask, draft=head, options=options, max_new_tokens=3,
+                           do_sample=True, top_k=50, top_p=1.0)   # another key: a new program (negative control)
+    grew = {g.split(":")[0] for g in growth(before, footprint(model))}
+    assert {"fx_graphs", "books.step_programs", "cache_entries.SpeculativeStep.__call__"} <= grew, grew
