@@ -66,7 +66,7 @@ from eagle_compile.runtime.stopping import StopChecker
 from eagle_compile.runtime.target_program import TargetProgram
 
 #: sampling program keys whose CUDA graphs (one per bucket) a decoder keeps; the least recently used goes first
-MAX_GRAPHED_SETTINGS = 4
+MAX_GRAPHED_KEYS = 4
 
 
 class SpeculativeDecoder:
@@ -156,7 +156,7 @@ class SpeculativeDecoder:
 
     @property
     def cuda_graphs_captured(self) -> int:
-        """CUDA graphs held now (one per bucket and sampling setting of `cudagraphs=True`)."""
+        """CUDA graphs held now (`cudagraphs=True`: one per bucket and sampling program key)."""
         return sum(len(s.graphs) for s in self._steps.values() if isinstance(s, GraphedStep))
 
     def books(self) -> dict[str, int]:
@@ -273,7 +273,7 @@ class SpeculativeDecoder:
         key = ("graphed", sampling.program_key)  # replays read the values from the step's tensors; LRU-bounded
         graphed = self._steps.pop(key, None) or GraphedStep(step, runtime=self.graph_runtime)
         self._steps[key] = graphed               # (re)inserted last: the most recently used
-        stale = [k for k in self._steps if k[0] == "graphed"][:-MAX_GRAPHED_SETTINGS]
+        stale = [k for k in self._steps if k[0] == "graphed"][:-MAX_GRAPHED_KEYS]
         for k in stale:                          # its CUDA graphs go with it
             del self._steps[k]
         return graphed

@@ -6,7 +6,7 @@ Negative controls prove each counter moves: outputs kept alive by the caller sho
 go away when dropped), a tensor kept by one of our objects shows up as held bytes (what a captured program's
 pass examples did), a new bucket counts as new graphs and cache entries, a new option value as a new decoder and
 its graphs. Steps, step programs and CUDA graphs are kept per sampling program key, not per value (host replay
-stand-in for the CUDA graphs, at most `MAX_GRAPHED_SETTINGS` keys), and a captured step program drops its pass
+stand-in for the CUDA graphs, at most `MAX_GRAPHED_KEYS` keys), and a captured step program drops its pass
 examples. The long soak with figures is benchmarks/soak.py.
 """
 
@@ -23,7 +23,7 @@ from tiny import ragged, random_head, tiny_target
 
 import eagle_compile
 from eagle_compile.options import parse_options
-from eagle_compile.runtime.decoder import MAX_GRAPHED_SETTINGS
+from eagle_compile.runtime.decoder import MAX_GRAPHED_KEYS
 from eagle_compile.runtime.footprint import footprint, growth, held_tensor_bytes
 from eagle_compile.runtime.generate import _decoder, _decoders
 from eagle_compile.runtime.sampling import SamplingParams
@@ -137,19 +137,19 @@ def test_cuda_graphs_serve_every_value_of_a_program_key_and_keep_a_bounded_numbe
     for t, k, p in ((0.6, 20, 0.9), (0.9, 17, 0.8), (1.4, 31, 0.5)):     # one program key: top-k bucket 32, top-p
         call(temperature=t, top_k=k, top_p=p)
     assert decoder.books()["graphed_steps"] == 1 and decoder.graph_runtime.warmup_runs == 2     # captured once
-    buckets = [1 << i for i in range(MAX_GRAPHED_SETTINGS + 2)]         # top-k buckets 1, 2, 4, ...: new keys
+    buckets = [1 << i for i in range(MAX_GRAPHED_KEYS + 2)]         # top-k buckets 1, 2, 4, ...: new keys
     for k in buckets:
         call(top_k=k)
     books = decoder.books()
-    assert books["graphed_steps"] == MAX_GRAPHED_SETTINGS and books["steps"] == 1 + len(buckets)
-    assert decoder.cuda_graphs_captured == MAX_GRAPHED_SETTINGS          # one bucket each
+    assert books["graphed_steps"] == MAX_GRAPHED_KEYS and books["steps"] == 1 + len(buckets)
+    assert decoder.cuda_graphs_captured == MAX_GRAPHED_KEYS          # one bucket each
     captures = decoder.graph_runtime.warmup_runs
     assert captures == 2 * (1 + len(buckets))
     call(top_k=buckets[-1], temperature=0.7)           # kept: replayed with its new temperature, not recaptured
     assert decoder.graph_runtime.warmup_runs == captures
     call(top_k=buckets[0])                             # evicted: captured again
     assert decoder.graph_runtime.warmup_runs == captures + 2
-    assert decoder.books()["graphed_steps"] == MAX_GRAPHED_SETTINGS
+    assert decoder.books()["graphed_steps"] == MAX_GRAPHED_KEYS
 
 
 def test_a_step_program_serves_new_sampling_values_without_a_new_capture_and_keeps_no_pass_examples():
