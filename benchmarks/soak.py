@@ -230,6 +230,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from eagle_compile.options import parse_options
+
     args = parse_args(argv)
     torch.set_grad_enabled(False)
     set_threads(args.threads)
@@ -239,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         options = json.loads(args.options)
     options = {**options, "draft": head}
     compiled = torch.compile(model, backend="eagle31", options=options)
-    buckets = tuple(options.get("batch_buckets", (1, 2, 4, 8)))
+    buckets = parse_options(options).batch_buckets
     ranges = {"max_rows": args.max_rows, "prompts": args.prompts, "new": args.new}
     calls = soak_calls(args.calls, args.seed, **ranges)
     warmup = warmup_calls(buckets, **ranges)
