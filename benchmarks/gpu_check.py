@@ -705,7 +705,7 @@ def spec_step(run: Run, model, options: dict, batch: int, plan: dict):
         n=rows * (plan["context"] + 1), root=torch.randint_like(rows, model.config.vocab_size),
         seed_feedback=torch.randn(batch, hidden, dtype=dtype, device=run.device),
         seed_head=torch.randn(batch, hidden, dtype=dtype, device=run.device), active=rows.bool()))
-    (step,) = [s for k, s in decoder._steps.items() if not isinstance(k, tuple)]
+    (step,) = [s for k, s in decoder._steps.items() if k[0] != "graphed" and k[1] is None]   # the fixed tree's
     return (lambda: step(state, buffers.cache, buffers.draft_kv, uniforms, final)), state
 
 

@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from eagle_compile.options import EagleOptions  # noqa: F401
+    from eagle_compile.runtime.footprint import Footprint, footprint, growth  # noqa: F401
     from eagle_compile.runtime.generate import generate  # noqa: F401
     from eagle_compile.targets import load_default_target  # noqa: F401
 
@@ -25,6 +26,9 @@ _LAZY = {
     "load_draft": ("eagle_compile.draft.checkpoint", "load_draft"),
     "save_draft": ("eagle_compile.draft.checkpoint", "save_draft"),
     "EagleDraftModel": ("eagle_compile.draft.model", "EagleDraftModel"),
+    "footprint": ("eagle_compile.runtime.footprint", "footprint"),
+    "growth": ("eagle_compile.runtime.footprint", "growth"),
+    "Footprint": ("eagle_compile.runtime.footprint", "Footprint"),
 }
 
 __all__ = ["__version__", *_LAZY]

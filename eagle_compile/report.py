@@ -96,5 +96,9 @@ def _counts(counts: dict[str, int]) -> str:
 
 
 def _sampling(key) -> str:
-    return "sampling" if getattr(key, "do_sample", False) else "greedy"
+    """A step's key in the decoder's books: (`SamplingParams.program_key`, menu entry name or None)."""
+    do_sample, top_k, top_p = key[0]
+    if not do_sample:
+        return "greedy"
+    return "sampling" + (f", top-k bucket {top_k}" if top_k else "") + (", top-p" if top_p else "")
 

@@ -49,7 +49,7 @@ from eagle_compile.runtime.cuda_graphs import BucketBuffers, CudaGraphRuntime, G
 from eagle_compile.runtime.kv_cache import SlotKVCache
 from eagle_compile.runtime.plain_step import PlainStep
 from eagle_compile.runtime.prefill_plan import prefill_plan
-from eagle_compile.runtime.sampling import SamplingParams, target_probs
+from eagle_compile.runtime.sampling import SamplingParams, SamplingValues, target_probs
 from eagle_compile.runtime.stats import GenerationStats
 from eagle_compile.runtime.step import (
     CycleRead,
@@ -64,6 +64,9 @@ from eagle_compile.runtime.step import (
 from eagle_compile.runtime.step_program import StepProgram
 from eagle_compile.runtime.stopping import StopChecker
 from eagle_compile.runtime.target_program import TargetProgram
+
+#: sampling program keys whose CUDA graphs (one per bucket) a decoder keeps; the least recently used goes first
+MAX_GRAPHED_KEYS = 4
 
 
 class SpeculativeDecoder:
@@ -107,27 +110,38 @@ class SpeculativeDecoder:
         self.window = ContextWindow.of(model, head_config, step_program=options.step_program)
 
     def _step(self, sampling: SamplingParams) -> SpeculativeStep | StepProgram | PlainStep:
-        if sampling not in self._steps:
-            self._steps[sampling] = self._build_step(sampling, self.shape if self.speculate else None)
-        return self._steps[sampling]
+        return self._keyed_step(sampling, None, self.shape if self.speculate else None)
 
     def step_for(self, sampling: SamplingParams, entry: MenuEntry) -> SpeculativeStep | StepProgram | PlainStep:
         """The program of one menu entry (calibration), built on first use."""
-        key = (sampling, entry.name)
-        if key not in self._steps:
-            self._steps[key] = self._build_step(sampling, entry.shape, keep_features=True)
-        return self._steps[key]
+        return self._keyed_step(sampling, entry.name, entry.shape, keep_features=True)
+
+    def _keyed_step(self, sampling: SamplingParams, name: str | None, shape: TreeShape | None,
+                    keep_features: bool = False) -> SpeculativeStep | StepProgram | PlainStep:
+        """The step of one tree shape (`name`: a menu entry) for the call's sampling. Steps are kept per
+        `SamplingParams.program_key` (greedy or sampling, the top-k bucket, top-p on or off), built from its
+        `structure()`, and read the call's temperature / top_k / top_p from their `SamplingValues`, loaded here:
+        a server with varied settings captures a bounded set of programs, not one per setting."""
+        key = (sampling.program_key, name)
+        step = self._steps.get(key)
+        if step is None:
+            step = self._steps[key] = self._build_step(sampling.structure(), shape, keep_features)
+        values = step.step.values if isinstance(step, StepProgram) else step.values
+        values.load(sampling)
+        return step
 
     def _build_step(self, sampling: SamplingParams, shape: TreeShape | None, keep_features: bool = False
                     ) -> SpeculativeStep | StepProgram | PlainStep:
+        values = SamplingValues(next(self.model.parameters()).device)
         if shape is None:
-            return PlainStep(sampling, self.program, keep_features=keep_features)
+            return PlainStep(sampling, self.program, keep_features=keep_features, values=values)
         if not self.options.step_program:
             return SpeculativeStep(self.drafter, shape, sampling, self.program, timings=self.timings,
-                                   drift=self.options.drift_monitors)
+                                   drift=self.options.drift_monitors, values=values)
         config = self.model.config.get_text_config()
         width = len(self.capture_indices) * config.hidden_size
-        step = SpeculativeStep(self.drafter, shape, sampling, traced_target_forward(self.model, width))
+        step = SpeculativeStep(self.drafter, shape, sampling, traced_target_forward(self.model, width),
+                               values=values)
         return StepProgram(step, self.capture_indices, type(self.model).__name__, feature_width=width,
                            vocab_size=self.model.get_output_embeddings().out_features,
                            lowering=self.lowering, kernels=self.options.kernels,
@@ -139,6 +153,28 @@ class SpeculativeDecoder:
         if shape is None:
             return 1
         return max(shape.nodes, shape.tree_slots + 1, shape.span + 1)
+
+    @property
+    def cuda_graphs_captured(self) -> int:
+        """CUDA graphs held now (`cudagraphs=True`: one per bucket and sampling program key)."""
+        return sum(len(s.graphs) for s in self._steps.values() if isinstance(s, GraphedStep))
+
+    def books(self) -> dict[str, int]:
+        """What this decoder keeps across calls, by kind (`eagle_compile.footprint` sums them): none of them
+        may grow once every bucket, program and sampling kind a workload uses has run once."""
+        steps = list(self._steps.values())
+        calibration = self.calibration
+        return {"steps": sum(not isinstance(s, GraphedStep) for s in steps),
+                "step_programs": sum(isinstance(s, StepProgram) for s in steps),
+                "graphed_steps": sum(isinstance(s, GraphedStep) for s in steps),
+                "bucket_buffers": len(self._bucket_buffers),
+                "target_graphs": self.program.graphs_captured,
+                "lowered_graphs": len(self.lowering.compiled),
+                "warned_kinds": len(self._warned),
+                "timings": len(self.timings),
+                "cost_tables": 0 if calibration is None else len(calibration.tables),
+                "cost_cache_entries": 0 if calibration is None else len(calibration.cache._memory),
+                "calibration_stash": 0 if calibration is None else len(calibration._stash)}
 
     @property
     def graphs_captured(self) -> int:
@@ -233,10 +269,14 @@ class SpeculativeDecoder:
             self._note(stats, "cudagraphs", "cudagraphs=True ignored: CUDA graphs need a CUDA device, the target "
                                             f"is on {device.type}")
             return None
-        key = ("graphed", sampling)
-        if key not in self._steps:
-            self._steps[key] = GraphedStep(self._step(sampling), runtime=self.graph_runtime)
-        return self._steps[key]
+        step = self._step(sampling)              # also loads the call's sampling values into the step
+        key = ("graphed", sampling.program_key)  # replays read the values from the step's tensors; LRU-bounded
+        graphed = self._steps.pop(key, None) or GraphedStep(step, runtime=self.graph_runtime)
+        self._steps[key] = graphed               # (re)inserted last: the most recently used
+        stale = [k for k in self._steps if k[0] == "graphed"][:-MAX_GRAPHED_KEYS]
+        for k in stale:                          # its CUDA graphs go with it
+            del self._steps[k]
+        return graphed
 
     def _note(self, stats: GenerationStats, kind: str, note: str) -> None:
         """A note in this call's statistics, and a warning the first time this decoder meets its kind."""
@@ -341,7 +381,7 @@ class SpeculativeDecoder:
         if self.lookup is not None:
             self.fill_copy(state, stopper, active)
         if buffers is not None:
-            out = self._steps[("graphed", sampling)](buffers, uniforms, final_uniform)
+            out = self._steps[("graphed", sampling.program_key)](buffers, uniforms, final_uniform)
         else:
             out = self._step(sampling)(state, cache, draft_kv, uniforms, final_uniform)
         read = read_cycle(out)                        # the one host read of the cycle

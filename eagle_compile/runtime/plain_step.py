@@ -18,16 +18,17 @@ import torch
 
 from eagle_compile.core.masks import SlotMask
 from eagle_compile.core.verify import inverse_cdf
-from eagle_compile.runtime.sampling import SamplingParams, target_probs
+from eagle_compile.runtime.sampling import SamplingParams, SamplingValues, target_probs
 from eagle_compile.runtime.step import StepOutput, StepState, TargetForward, usable_logits
 
 
 class PlainStep:
     """Emit one token per active row: the target's greedy (or sampled) next token after the root."""
 
-    def __init__(self, sampling: SamplingParams, target_forward: TargetForward, *, keep_features: bool = False
-                 ) -> None:
+    def __init__(self, sampling: SamplingParams, target_forward: TargetForward, *, keep_features: bool = False,
+                 values: SamplingValues | None = None) -> None:
         self.sampling = sampling
+        self.values = values                     # as `SpeculativeStep.values`
         self.target_forward = target_forward
         self.keep_features = keep_features       # the calibration layer re-syncs the draft from them later
 
@@ -47,4 +48,4 @@ class PlainStep:
     def _next(self, logits: torch.Tensor, final_uniform: torch.Tensor) -> torch.Tensor:
         if not self.sampling.do_sample:
             return logits.argmax(-1)
-        return inverse_cdf(target_probs(logits, self.sampling), final_uniform)
+        return inverse_cdf(target_probs(logits, self.sampling, self.values), final_uniform)

@@ -9,8 +9,13 @@ Any other generation setting that would change the distribution (repetition pena
 words, beams, ...) is refused by `SamplingParams.from_generation_config` with `UnsupportedGenerationError`; it
 is never silently ignored, because the output would then differ from what the user asked for.
 
-Everything here is shape-static and free of host synchronisation: the parameters are Python values (fixed per
-compiled program), so the only branches are on them, never on tensor values.
+Everything here is shape-static and free of host synchronisation: the only branches are on Python values, never
+on tensor values. A program that runs many times (a step, a captured step program, a CUDA graph) takes the
+numbers from `SamplingValues`, 0-dim tensors rewritten in place before each call, so one program serves every
+setting of the same `SamplingParams.program_key`: whether it samples, whether top-p filters, and the top-k bucket
+(`torch.topk` needs a static k: the program takes the top `top_k_bucket(k)` values, a power of two, and reads the
+k-th among them, the same value HF's `topk(k)[..., -1]` gives). A server with varied temperatures, top-k and
+top-p therefore captures a bounded set of programs, not one per setting.
 """
 
 from __future__ import annotations
@@ -79,6 +84,23 @@ class SamplingParams:
                 f"top_p must be a number in [0, 1] (1 disables top-p filtering), got {self.top_p!r}"
             )
         object.__setattr__(self, "top_p", float(self.top_p))
+
+    @property
+    def program_key(self) -> tuple[bool, int, bool]:
+        """What changes a sampling program's code: (do_sample, the top-k bucket (0: no top-k), top-p filtering);
+        the temperature, top_k within its bucket and top_p are run-time numbers (`SamplingValues`)."""
+        if not self.do_sample:
+            return (False, 0, False)
+        return (True, top_k_bucket(self.top_k), self.top_p < 1.0)
+
+    def structure(self) -> SamplingParams:
+        """The one setting that stands for every setting of this `program_key` in a program's code: programs
+        are built from it and never read its numbers (a traced value would be guarded, and recompiled per value),
+        only `SamplingValues`."""
+        if not self.do_sample:
+            return SamplingParams(do_sample=False)
+        _, bucket, top_p = self.program_key
+        return SamplingParams(do_sample=True, top_k=bucket, top_p=0.5 if top_p else 1.0)
 
     @classmethod
     def from_generation_config(cls, generation_config: Any) -> SamplingParams:
@@ -150,17 +172,48 @@ def _unsupported_settings(get) -> list[str]:
     return problems
 
 
-def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def top_k_bucket(top_k: int) -> int:
+    """The static k of a program's `torch.topk` for `top_k` (0: none): the next power of two."""
+    return 0 if top_k <= 0 else 1 << (top_k - 1).bit_length()
+
+
+class SamplingValues:
+    """The run-time numbers of a sampling program: 0-dim tensors on the program's device, rewritten in place
+    (`load`) before each call, so a captured graph or CUDA graph reads the call's values from the same memory."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.temperature = torch.ones((), dtype=torch.float64, device=device)
+        self.top_k = torch.zeros((), dtype=torch.long, device=device)
+        self.top_p = torch.ones((), dtype=torch.float64, device=device)
+
+    def load(self, params: SamplingParams) -> None:
+        self.temperature.fill_(params.temperature)
+        self.top_k.fill_(params.top_k)
+        self.top_p.fill_(params.top_p)
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams, values: SamplingValues | None = None
+                   ) -> torch.Tensor:
     """Temperature, then top-k, then top-p, exactly as HF's logits warpers; filtered entries become `-inf`.
 
     Args:
         logits: `[..., V]` in any float dtype; computed in that dtype, as HF does (HF casts to float32 first:
             `target_probs` does that cast).
         params: with `do_sample=False` the logits are returned unchanged (HF applies no warper when greedy).
+        values: the numbers as tensors (`SamplingValues`, loaded from a `params` of the same `program_key`):
+            the code then depends on `params.program_key` only. Same results: a float32 tensor divided by or
+            compared with a 0-dim float64 tensor computes in float32, as with the Python float.
     Returns:
         `[..., V]`, same dtype.
     """
     if not params.do_sample:
+        return logits
+    if values is not None:
+        logits = logits / values.temperature
+        if params.top_k > 0:
+            logits = _top_k_of_bucket(logits, values.top_k, top_k_bucket(params.top_k))
+        if params.top_p < 1.0:
+            logits = _top_p(logits, values.top_p)
         return logits
     if params.temperature != 1.0:
         logits = logits / params.temperature
@@ -178,7 +231,16 @@ def _top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
     return logits.masked_fill(logits < kth, -math.inf)
 
 
-def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+def _top_k_of_bucket(logits: torch.Tensor, top_k: torch.Tensor, bucket: int) -> torch.Tensor:
+    # `_top_k` with k a 0-dim tensor <= bucket: the k-th of the top `bucket` values (sorted, ties kept) is the k-th
+    # largest value, whatever the bucket
+    vocab = logits.shape[-1]
+    best = torch.topk(logits, min(bucket, vocab))[0]
+    index = (top_k.clamp(max=vocab) - 1).clamp(min=0).expand(*best.shape[:-1], 1)
+    return logits.masked_fill(logits < best.gather(-1, index), -math.inf)
+
+
+def _top_p(logits: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
     # HF TopPLogitsWarper: sort ascending, drop the prefix whose cumulative mass is <= 1 - top_p, always keep
     # the largest token (min_tokens_to_keep=1). Same ops as HF so ties resolve identically.
     sorted_logits, sorted_indices = torch.sort(logits, descending=False)
@@ -189,7 +251,8 @@ def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return logits.masked_fill(remove, -math.inf)
 
 
-def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def target_probs(logits: torch.Tensor, params: SamplingParams, values: SamplingValues | None = None
+                 ) -> torch.Tensor:
     """The target distribution `[..., V]` that `verify_sample` draws from.
 
     Computed in float32 like HF `generate` (which casts the logits to float32 before the warpers), or in
@@ -201,4 +264,4 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if not params.do_sample:
         argmax = logits.argmax(dim=-1, keepdim=True)
         return torch.zeros_like(logits).scatter(-1, argmax, 1.0)
-    return process_logits(logits, params).softmax(dim=-1)
+    return process_logits(logits, params, values).softmax(dim=-1)

@@ -26,7 +26,7 @@ from eagle_compile.core.verify import verify_greedy, verify_sample
 from eagle_compile.draft.drafter import Drafter
 from eagle_compile.draft.drift import DriftProbe
 from eagle_compile.draft.tree import build_tree
-from eagle_compile.runtime.sampling import SamplingParams, target_probs
+from eagle_compile.runtime.sampling import SamplingParams, SamplingValues, target_probs
 
 TargetForward = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -110,15 +110,17 @@ def traced_target_forward(model: torch.nn.Module, feature_width: int) -> TargetF
 
 
 class SpeculativeStep:
-    """The device-side cycle for one tree shape and one sampling setting (both static)."""
+    """The device-side cycle for one tree shape and one sampling structure (both static); with `values` the
+    sampling numbers are run-time tensors (`runtime/sampling.py`), else `sampling`'s own."""
 
     def __init__(self, drafter: Drafter, shape: TreeShape, sampling: SamplingParams,
                  target_forward: TargetForward, *, timings: dict[str, float] | None = None,
-                 drift: bool = False) -> None:
+                 drift: bool = False, values: SamplingValues | None = None) -> None:
         self.drafter = drafter
         self.drift = drift              # collect the drift monitors (draft/drift.py) into StepOutput.drift
         self.shape = shape
         self.sampling = sampling
+        self.values = values            # the sampling numbers as tensors: `sampling` is then only the structure
         self.target_forward = target_forward
         # Host-clock split of the cycle (draft / verify / accept), accumulated when given; only for the eager
         # step (a captured step is one program). Exact on CPU; on CUDA only the whole cycle, which ends in a
@@ -182,7 +184,7 @@ class SpeculativeStep:
     def _verify(self, tree, logits, uniforms, final_uniform):
         if not self.sampling.do_sample:
             return verify_greedy(tree, logits)
-        return verify_sample(tree, target_probs(logits, self.sampling), uniforms, final_uniform)
+        return verify_sample(tree, target_probs(logits, self.sampling, self.values), uniforms, final_uniform)
 
 
 def usable_logits(logits: torch.Tensor) -> torch.Tensor:

@@ -65,6 +65,7 @@ class StepProgram:
                           step_examples=self._make_examples(state, cache, uniforms), use_kernels=use,
                           kernels=self.kernels, kernels_reason=reason, numerics=self.lowering.numerics)
         gm = run_passes(gm, ctx, STEP_PASSES)
+        ctx.step_examples = None      # only the passes read them: [B, M, V] logits and probs, KV-sized tensors
         self.contexts.append(ctx)
         return self.lowering.compile(gm, example_inputs)
 

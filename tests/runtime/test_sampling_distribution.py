@@ -30,6 +30,7 @@ from eagle_compile.errors import UnsupportedGenerationError
 from eagle_compile.runtime.sampling import (
     HF_GENERATION_DEFAULTS,
     SamplingParams,
+    SamplingValues,
     process_logits,
     target_probs,
 )
@@ -327,18 +328,35 @@ WARPER_PARAMS = [
 ]
 
 
+@pytest.mark.parametrize("as_tensors", [False, True], ids=["python values", "SamplingValues"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("params", WARPER_PARAMS, ids=str)
-def test_process_logits_matches_hf_warpers(params, dtype):
+def test_process_logits_matches_hf_warpers(params, dtype, as_tensors):
     # half-integer logits: many exact ties at the top-k and top-p boundaries
     logits = torch.randint(-6, 6, (3, 4, 50), generator=torch.Generator().manual_seed(0)).to(dtype) / 2
-    ours = process_logits(logits, params)
+    values = None
+    if as_tensors:          # what a program runs: its key's structure, the numbers from tensors
+        values = SamplingValues("cpu")
+        values.load(params)
+    structure = params.structure() if as_tensors else params
+    ours = process_logits(logits, structure, values)
     theirs = hf_warpers(params)(None, logits.reshape(12, 50)).reshape(3, 4, 50)
     assert ours.dtype == dtype and torch.equal(ours, theirs)
-    probs = target_probs(logits, params)
+    probs = target_probs(logits, structure, values)
     hf_probs = hf_warpers(params)(None, logits.reshape(12, 50).to(probs.dtype)).softmax(-1).reshape(3, 4, 50)
     assert probs.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     assert torch.equal(probs, hf_probs)
+
+
+def test_program_keys_and_structures():
+    """Settings that differ only in numbers share a program; the top-k bucket, top-p and greedy do not."""
+    key = SamplingParams(do_sample=True, temperature=0.7, top_k=20, top_p=0.9).program_key
+    assert key == (True, 32, True) == SamplingParams(do_sample=True, temperature=1.3, top_k=17, top_p=0.5).program_key
+    assert SamplingParams(do_sample=True, top_k=33, top_p=0.9).program_key == (True, 64, True)
+    assert SamplingParams(do_sample=True, top_k=0).program_key == (True, 0, False)
+    assert SamplingParams(temperature=0.5).program_key == SamplingParams().program_key == (False, 0, False)
+    for params in WARPER_PARAMS:
+        assert params.structure().program_key == params.program_key
 
 
 def test_greedy_params():

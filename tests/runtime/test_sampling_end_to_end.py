@@ -147,7 +147,7 @@ def test_negative_control_plain_mode_without_the_warpers_is_detected(setup, monk
     import eagle_compile.runtime.plain_step as plain_module
 
     target, head, prompt, joint = setup
-    monkeypatch.setattr(plain_module, "target_probs", lambda logits, params: torch.softmax(logits, -1))
+    monkeypatch.setattr(plain_module, "target_probs", lambda logits, params, values=None: torch.softmax(logits, -1))
     counts, _ = _sample(target, head, prompt, speculate=False)
     assert counts[joint == 0].sum() > 100, "the broken step emits tokens top-k / top-p removed"
 
