@@ -74,6 +74,8 @@ class Row:
         self.tokens.extend(new)
         if self.request.stream and self.finish_reason is None:
             text = self.text()
+            if self.stop_at is not None:          # this block completed a stop string: finish() sends the rest
+                text = text[:self.stop_at]
             hold = max((len(s) for s in self.request.stop), default=1) - 1
             ready = text[:len(text) - hold] if hold else text
             ready = ready.rstrip("\ufffd")
