@@ -249,3 +249,18 @@ def test_models_health_and_metrics(setup):
     programs = [m for m in engine.metrics.registry.collect() if m.name == "eagle31_cycles_by_program"][0]
     assert sum(x.value for x in programs.samples if x.name.endswith("_total")) == \
         sample_value(engine, "eagle31_cycles_total")
+
+
+def test_a_failing_batch_answers_500_and_the_server_keeps_serving(setup, monkeypatch):
+    s = setup
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected decoder failure")
+
+    monkeypatch.setattr(s["engine"].decoder, "generate", broken)
+    with pytest.raises(openai.InternalServerError, match="injected decoder failure"):
+        s["client"].completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=0)
+    monkeypatch.undo()
+    assert s["engine"].alive
+    r = s["client"].completions.create(model=MODEL, prompt="x", max_tokens=3, temperature=0)
+    assert r.choices[0].text == reference(s, ids_of(s, "x"), 3)
