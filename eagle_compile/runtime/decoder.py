@@ -186,7 +186,7 @@ class SpeculativeDecoder:
     @torch.no_grad()
     def generate(self, prompts: list[torch.Tensor], stopper: StopChecker, sampling: SamplingParams,
                  generator: torch.Generator | None = None) -> GenerationStats:
-        stats = GenerationStats(tree=self._tree_stats(), lowering=self.lowering.describe(),
+        stats = GenerationStats(tree=self.tree_stats(), lowering=self.lowering.describe(),
                                 speculate=self.speculate)
         real = len(prompts)
         batch = self._bucket(real)
@@ -244,7 +244,8 @@ class SpeculativeDecoder:
         stats.compile_time = self.lowering.compile_seconds
         return stats
 
-    def _tree_stats(self) -> dict:
+    def tree_stats(self) -> dict:
+        """The tree (or menu) this decoder runs and where it came from: `GenerationStats.tree`."""
         if not self.speculate:
             return {"speculate": False}
         copy = {} if self.lookup is None else {"copy": self.lookup.length}

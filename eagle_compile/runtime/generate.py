@@ -101,7 +101,7 @@ def generate(model, input_ids: torch.Tensor | None = None, logits_processor=None
     prompts, attention_mask = _split_rows(model, input_ids, attention_mask)
     stopper = _stopper(model, prompts, input_ids.shape[1], generation_config, stopping_criteria, tokenizer,
                        streamer)
-    decoder = _decoder(model, draft if draft is not None else opts.draft, opts)
+    decoder = decoder_for(model, draft if draft is not None else opts.draft, opts)
     if streamer is not None:
         streamer.put(input_ids.cpu())          # the prompt first, as HF's generate does
     stats = decoder.generate(prompts, stopper, sampling, generator)
@@ -222,7 +222,9 @@ def _max_new_tokens(model, gc: GenerationConfig, padded_len: int) -> int:
 
 
 # -- draft and decoder ------------------------------------------------------------------------------------------
-def _decoder(model, draft, opts: EagleOptions) -> SpeculativeDecoder:
+def decoder_for(model, draft, opts: EagleOptions) -> SpeculativeDecoder:
+    """The decoder of (model, draft, options), built on first use and kept per model: `generate` and the server
+    (`eagle_compile.serve.engine`) share it, so its captured programs and measured costs serve both."""
     if draft is None and opts.speculate:
         raise UnsupportedGenerationError(
             "no draft head: pass draft= (an EAGLE-3/3.1 checkpoint folder or EagleDraftModel) or "

@@ -17,7 +17,7 @@ from tiny import ScriptedDrafter, greedy_reference, ragged, random_head, tiny_ta
 import eagle_compile
 from eagle_compile.options import parse_options
 from eagle_compile.runtime.cuda_graphs import GraphedStep, buffer_tensors
-from eagle_compile.runtime.generate import _decoder
+from eagle_compile.runtime.generate import decoder_for
 from eagle_compile.runtime.step import StepOutput
 
 OPTIONS = {"depth": 3, "top_k": 2, "total_tokens": 6, "prefill_chunk": 8, "batch_buckets": (1, 2, 4),
@@ -66,7 +66,7 @@ def _half_right(ids, mask, ref):
 
 
 def _graphed_decoder(model, drafter, options):
-    decoder = _decoder(model, drafter, parse_options(options))
+    decoder = decoder_for(model, drafter, parse_options(options))
     decoder.graph_runtime = HostReplay()
     return decoder
 

@@ -1,0 +1,59 @@
+"""Which waiting requests decode together: the next batch, grouped by sampling setting.
+
+A step program is built for one `SamplingParams` (the warpers are static in the captured graph), so a batch
+holds requests of one setting: the oldest waiting request picks the setting and the batch takes, in arrival
+order, every waiting request of that setting up to `max_rows` (the largest batch bucket). A request with a
+`seed` decodes in a batch of its own with its own generator, so its tokens depend on nothing but its seed
+and prompt (in a shared batch the uniforms drawn would depend on its neighbours). Greedy requests all share
+one setting. Aborted requests still waiting are dropped here and never reach the decoder.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+from eagle_compile.serve.row import Row
+
+
+def group_key(row: Row) -> tuple:
+    request = row.request
+    return (request.sampling, id(row) if request.seed is not None and request.sampling.do_sample else None)
+
+
+class Scheduler:
+    def __init__(self, max_rows: int) -> None:
+        self.max_rows = max_rows
+        self._waiting: deque[Row] = deque()
+        self._cond = threading.Condition()
+        self._closed = False
+
+    def submit(self, row: Row) -> None:
+        with self._cond:
+            self._waiting.append(row)
+            self._cond.notify()
+
+    @property
+    def waiting(self) -> int:
+        with self._cond:
+            return len(self._waiting)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def next_batch(self, timeout: float) -> list[Row]:
+        """The next batch (oldest request's setting, arrival order); empty after `timeout` seconds or on close."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._waiting or self._closed, timeout=timeout)
+            for row in [r for r in self._waiting if r.aborted]:
+                self._waiting.remove(row)
+                row.finish("abort")
+            if not self._waiting or self._closed:
+                return []
+            key = group_key(self._waiting[0])
+            batch = [r for r in self._waiting if group_key(r) == key][:self.max_rows]
+            for row in batch:
+                self._waiting.remove(row)
+            return batch
