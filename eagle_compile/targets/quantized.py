@@ -14,7 +14,8 @@ plain float weight: it would have to dequantise, which is a different model). So
 itself refuses a subclass weight as a backstop, so a promise of invariance is never silently broken.
 
 bitsandbytes' `Params4bit` / `Int8Params` are `nn.Parameter` subclasses, not wrapper subclasses: they are reported
-here too, so numerics falls back to eager for them as well; their capture is not tested.
+here too, so numerics falls back to eager for them as well; bitsandbytes 0.50.2's CPU backend traces through the
+same programs (the `bnb` extra; tests/targets/test_quantized.py).
 
 `quantize_weight_only` is the two CPU recipes of the pinned torchao (the `quant` extra), in one call, for tests,
 benchmarks and users who want the same layouts. Importing torchao 0.18 on a CPU-only torch logs "Failed to load

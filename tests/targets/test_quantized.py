@@ -1,7 +1,8 @@
 """torchao weight-only quantised targets (int8 `Int8WeightOnlyConfig`, int4 on CPU `PrototypeInt4WeightOnlyConfig`,
 the `quant` extra) through the eagle31 backend: greedy output equals the quantised model's own HF greedy, token for
 token, with an oracle drafter whose drafts are accepted; plain mode too; numerics falls back to eager with the
-reason recorded, and an explicit batch-invariant promise is refused (targets/quantized.py)."""
+reason recorded, and an explicit batch-invariant promise is refused (targets/quantized.py). bitsandbytes 8-bit and
+nf4 targets too, where bitsandbytes is installed (the `bnb` extra)."""
 
 from __future__ import annotations
 
@@ -112,3 +113,36 @@ def test_real_target_int8_equals_its_own_greedy():
     out = eagle_compile.generate(model, ids, draft=draft, max_new_tokens=32, return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref)
     assert max(out.stats.acceptance_lengths) > 1, "the shipped head had nothing accepted"
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_bitsandbytes_targets_equal_their_own_greedy(bits):
+    """bitsandbytes' CPU backend (its Linear8bitLt / Linear4bit nf4 modules) through the same programs."""
+    bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed: pip install 'eagle_compile[bnb]'")
+    model = tiny_target("llama", seed=0, dtype=torch.float32)
+    _swap_bnb_linears(model, bnb, bits)
+    found = find_quantized(model)
+    assert found.types == {f"bitsandbytes {'Int8Params' if bits == 8 else 'Params4bit'}": LINEARS}, found
+    ids, mask = ragged([3, 12], seed=3)
+    ref = greedy_reference(model, ids, attention_mask=mask, max_new_tokens=16)
+    drafter = ScriptedDrafter(continuations(ids, mask, ref), 96, "oracle")
+    out = eagle_compile.generate(model, ids, attention_mask=mask, max_new_tokens=16, draft=drafter,
+                                 options={"calibrate": "off"}, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    assert max(out.stats.acceptance_lengths) > 1, "no draft token was accepted"
+    assert "numerics='auto': eager, the target has" in out.stats.lowering
+
+
+def _swap_bnb_linears(module: torch.nn.Module, bnb, bits: int) -> None:
+    for name, child in module.named_children():
+        if not isinstance(child, torch.nn.Linear):
+            _swap_bnb_linears(child, bnb, bits)
+            continue
+        if bits == 8:
+            quantized = bnb.nn.Linear8bitLt(child.in_features, child.out_features, bias=False,
+                                            has_fp16_weights=False)
+        else:
+            quantized = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=False,
+                                          compute_dtype=torch.float32, quant_type="nf4")
+        quantized.load_state_dict(child.state_dict())
+        setattr(module, name, quantized.to("cpu"))     # .to() quantises the weights
