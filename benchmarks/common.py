@@ -107,6 +107,24 @@ def compat_torch_compile(note: Callable[[str], None]) -> None:
 
 
 # -- files -------------------------------------------------------------------------------------------------------
+def write_results(out: Path, name: str, args, rows: list[dict], load_before: dict[str, Any], title: str,
+                  header: list[str], cells: Iterable[list[Any]]) -> dict[str, Any]:
+    """Write `<name>.json` (environment, load before/after, threads, rows, args) and `<name>.md` (`title` with
+    the setting, then the table) into `out`; print the table; return the JSON record."""
+    result = {"environment": environment(), "load_before": load_before, "load_after": print_load("after"),
+              "threads": torch.get_num_threads(), "rows": rows,
+              "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / f"{name}.json", result)
+    env = result["environment"]
+    text = "\n".join([f"{title}: torch {env['torch']}, {result['threads']} threads, load "
+                      f"{load_before['loadavg_1m']} / {result['load_after']['loadavg_1m']}; `{env['command']}`", "",
+                      markdown_table(header, cells)])
+    (out / f"{name}.md").write_text(text + "\n")
+    print("\n" + text, flush=True)
+    return result
+
+
 def write_json(path: Path, obj: Any) -> None:
     """Write `obj` as indented JSON atomically (temporary file, then rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)

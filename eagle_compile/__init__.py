@@ -8,6 +8,7 @@ The public names are imported lazily so that `import eagle_compile` stays cheap.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
@@ -32,6 +33,20 @@ _LAZY = {
 }
 
 __all__ = ["__version__", *_LAZY]
+
+#: Import-time messages of torchao 0.18 (the `quant` extra, imported by transformers whenever installed) that are
+#: harmless on a CPU-only torch: two libraries of CUDA kernels that cannot load without libtorch_cuda, and
+#: torchao's deprecated registration of its enums with torch's pytree (eagle_compile/targets/quantized.py).
+_HARMLESS = {"torchao": ("_C_mxfp8", "_C_cutlass_90a"),
+             "torch.utils._pytree": ("is an Enum subclass and is now natively supported",)}
+
+
+def _drop_harmless(record: logging.LogRecord) -> bool:
+    return not any(part in record.getMessage() for part in _HARMLESS.get(record.name, ()))
+
+
+for _name in _HARMLESS:
+    logging.getLogger(_name).addFilter(_drop_harmless)
 
 
 def __getattr__(name: str):

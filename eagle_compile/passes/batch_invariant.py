@@ -10,8 +10,9 @@ every program shape.
 
 A program that keeps a reduction the pass cannot make invariant (a dense SDPA because kernels="off", a matmul,
 einsum or tensordot over a reduced dimension > 1) raises: numerics="batch_invariant" is a promise, so it is
-never silently broken. The one recorded exception is the draft's fused ops under kernels="on" (their own GEMMs
-only change which tokens the draft proposes, never the output).
+never silently broken; so does a linear with a quantised weight (torchao's subclasses, targets/quantized.py). The
+one recorded exception is the draft's fused ops under kernels="on" (their own GEMMs only change which tokens the
+draft proposes, never the output).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 
 from eagle_compile.passes.context import PassContext
 from eagle_compile.passes.tree_attention import _SDPA
+from eagle_compile.targets.quantized import quantized_kind
 
 BATCH_INVARIANT = "batch_invariant"
 
@@ -57,6 +59,7 @@ def batch_invariant(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Grap
         if node.op != "call_function":
             continue
         if node.target in _LINEAR:
+            _refuse_quantized(node)
             _retarget(node, torch.ops.eagle31.bi_linear.default, kernels.LINEAR_ARGS)
             sites += 1
         elif node.target in attention:
@@ -85,6 +88,16 @@ def batch_invariant(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Grap
 def _retarget(node: torch.fx.Node, target, names: tuple[str, ...]) -> None:
     args = tuple(node.args[i] if i < len(node.args) else node.kwargs.get(name) for i, name in enumerate(names))
     node.target, node.args, node.kwargs = target, args, {}
+
+
+def _refuse_quantized(node: torch.fx.Node) -> None:
+    """Raise for a linear whose weight is a quantised tensor (targets/quantized.py): bi_linear takes plain weights,
+    and resolve_numerics already keeps quantised targets on numerics='eager'; this is the backstop."""
+    weight = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+    kind = quantized_kind(weight.meta.get("example_value")) if isinstance(weight, torch.fx.Node) else None
+    if kind is not None:
+        raise NotBatchInvariant(f"numerics='batch_invariant': {node.format_node()} has a quantised weight ({kind}); "
+                                "the batch-invariant kernels take plain float weights: use numerics='eager'")
 
 
 def _refuse_reducing(node: torch.fx.Node, operand: int) -> None:

@@ -64,6 +64,7 @@ from eagle_compile.runtime.step import (
 from eagle_compile.runtime.step_program import StepProgram
 from eagle_compile.runtime.stopping import StopChecker
 from eagle_compile.runtime.target_program import TargetProgram
+from eagle_compile.targets.quantized import find_quantized
 
 #: sampling program keys whose CUDA graphs (one per bucket) a decoder keeps; the least recently used goes first
 MAX_GRAPHED_KEYS = 4
@@ -87,8 +88,9 @@ class SpeculativeDecoder:
         num_layers = model.config.get_text_config().num_hidden_layers
         self.capture_indices = capture_indices or default_capture_indices(num_layers)
         param = next(model.parameters())
+        self.quantized = find_quantized(model)
         self.lowering = lowering_for(options.inner_backend, options.inductor_config, param.device, param.dtype,
-                                     options.numerics)
+                                     options.numerics, self.quantized)
         if drafter is not None and hasattr(drafter, "numerics"):
             drafter.numerics = self.lowering.numerics     # the head rounds like the target's programs
         self.program = TargetProgram(model, self.capture_indices, lowering=self.lowering,
