@@ -119,7 +119,8 @@ class Calibration:
                           active=torch.ones_like(state.active),
                           drafting=torch.ones_like(state.active), floor=torch.full((batch,), -torch.inf,
                                                                                    device=device),
-                          copy=None if state.copy is None else torch.zeros_like(state.copy))   # every node valid
+                          copy=None if state.copy is None else torch.zeros_like(state.copy),   # every node valid
+                          history=None if state.history is None else state.history.clone())
             scratch[e.name] = s
             step = d.step_for(sampling, e)
             depth, width = (e.shape.span, e.shape.width) if e.shape is not None else (0, 0)

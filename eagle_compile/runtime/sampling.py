@@ -5,9 +5,12 @@ would sample from. That distribution is HF's: logits cast to float32, then `Temp
 `TopKLogitsWarper`, `TopPLogitsWarper` in that order, then softmax. `process_logits` repeats those warpers op
 for op (same ties, `min_tokens_to_keep=1`), `target_probs` adds the cast and the softmax.
 
-Any other generation setting that would change the distribution (repetition penalty, min-p, typical-p, bad
-words, beams, ...) is refused by `SamplingParams.from_generation_config` with `UnsupportedGenerationError`; it
-is never silently ignored, because the output would then differ from what the user asked for.
+HF's logits processors that read the tokens generated so far (repetition penalty, n-gram blocking, bad words,
+sequence bias, min length / min new tokens, suppressed tokens) run before the warpers, per tree node from its
+own path (`runtime/logits_processors.py`, settings in `SamplingParams.processors`). Any other generation
+setting that would change the distribution (min-p, typical-p, beams, encoder penalties, ...) is refused by
+`SamplingParams.from_generation_config` with `UnsupportedGenerationError`; it is never silently ignored,
+because the output would then differ from what the user asked for.
 
 Everything here is shape-static and free of host synchronisation: the parameters are Python values (fixed per
 compiled program), so the only branches are on them, never on tensor values.
@@ -22,6 +25,7 @@ from typing import Any
 import torch
 
 from eagle_compile.errors import UnsupportedGenerationError
+from eagle_compile.runtime.logits_processors import ProcessorSettings
 
 # transformers fills the generation fields left at None with these (transformers 5.x:
 # `GenerationConfig._get_default_generation_params`; 4.x had them as constructor defaults). Only the fields
@@ -50,13 +54,15 @@ HF_GENERATION_DEFAULTS: dict[str, Any] = {
 class SamplingParams:
     """How the target distribution is formed. Greedy is `do_sample=False` (the other fields are then unused).
 
-    `top_k=0` and `top_p=1.0` disable those filters, as in Hugging Face.
+    `top_k=0` and `top_p=1.0` disable those filters, as in Hugging Face. `processors`: HF's history-reading
+    logits processors, applied greedy or sampling before the warpers (None: none configured).
     """
 
     do_sample: bool = False
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    processors: ProcessorSettings | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.do_sample, bool):
@@ -98,12 +104,15 @@ class SamplingParams:
             raise UnsupportedGenerationError(
                 "speculative decoding cannot honour these generation settings losslessly: "
                 + "; ".join(problems)
-                + ". Supported: do_sample, temperature, top_k, top_p (plus stops and lengths). Remove these "
-                "settings or decode without eagle_compile."
+                + ". Supported: do_sample, temperature, top_k, top_p, repetition_penalty, no_repeat_ngram_size, "
+                "bad_words_ids, sequence_bias, min_length, min_new_tokens, suppress_tokens, begin_suppress_tokens "
+                "(plus stops and lengths). Remove these settings or decode without eagle_compile."
             )
+        processors = ProcessorSettings.from_generation_config(get)
         if not get("do_sample"):
-            return cls(do_sample=False)
-        return cls(do_sample=True, temperature=get("temperature"), top_k=get("top_k"), top_p=get("top_p"))
+            return cls(do_sample=False, processors=processors)
+        return cls(do_sample=True, temperature=get("temperature"), top_k=get("top_k"), top_p=get("top_p"),
+                   processors=processors)
 
 
 def _unsupported_settings(get) -> list[str]:
@@ -117,20 +126,14 @@ def _unsupported_settings(get) -> list[str]:
         ("constraints", lambda v: True, "constrained beam search"),
         ("force_words_ids", lambda v: True, "constrained beam search"),
         ("guidance_scale", lambda v: v != 1, "classifier-free guidance"),
-        ("sequence_bias", lambda v: True, "sequence bias"),
-        ("repetition_penalty", lambda v: v != 1.0, "repetition penalty"),
-        ("encoder_repetition_penalty", lambda v: v != 1.0, "encoder repetition penalty"),
-        ("no_repeat_ngram_size", lambda v: v > 0, "n-gram blocking"),
-        ("encoder_no_repeat_ngram_size", lambda v: v > 0, "encoder n-gram blocking"),
-        ("bad_words_ids", lambda v: True, "bad-word blocking"),
-        ("min_length", lambda v: v > 0, "EOS suppressed before min_length"),
-        ("min_new_tokens", lambda v: v > 0, "EOS suppressed before min_new_tokens"),
+        ("encoder_repetition_penalty", lambda v: v != 1.0,
+         "encoder repetition penalty: not implemented per tree node; use repetition_penalty"),
+        ("encoder_no_repeat_ngram_size", lambda v: v > 0,
+         "encoder n-gram blocking: not implemented per tree node; use no_repeat_ngram_size"),
         ("forced_bos_token_id", lambda v: True, "forced BOS token"),
         ("forced_eos_token_id", lambda v: True, "forced EOS token"),
         ("remove_invalid_values", lambda v: bool(v), "inf/nan logits replaced"),
         ("exponential_decay_length_penalty", lambda v: True, "EOS boosted with length"),
-        ("suppress_tokens", lambda v: len(v) > 0, "suppressed tokens"),
-        ("begin_suppress_tokens", lambda v: len(v) > 0, "suppressed first tokens"),
         ("watermarking_config", lambda v: True, "watermarking"),
         ("token_healing", lambda v: bool(v), "token healing rewrites the prompt"),
     ]
