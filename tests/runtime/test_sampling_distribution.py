@@ -372,13 +372,14 @@ def test_hf_defaults_match_installed_transformers():
         assert installed[name] == value, name
 
 
+# (repetition_penalty, no_repeat_ngram_size, bad_words_ids, sequence_bias, min_length, min_new_tokens,
+# suppress_tokens and begin_suppress_tokens are applied per tree node: tests/runtime/test_logits_processors.py)
 UNSUPPORTED = [
-    {"repetition_penalty": 1.2}, {"encoder_repetition_penalty": 0.9}, {"no_repeat_ngram_size": 3},
-    {"bad_words_ids": [[5]]}, {"sequence_bias": {(5,): -1.0}}, {"num_beams": 4}, {"num_beam_groups": 2},
+    {"encoder_repetition_penalty": 0.9}, {"num_beams": 4}, {"num_beam_groups": 2},
     {"diversity_penalty": 0.5}, {"penalty_alpha": 0.6}, {"dola_layers": "high"}, {"guidance_scale": 1.5},
-    {"min_length": 10}, {"min_new_tokens": 3}, {"forced_bos_token_id": 1}, {"forced_eos_token_id": 2},
-    {"remove_invalid_values": True}, {"exponential_decay_length_penalty": (5, 1.1)}, {"suppress_tokens": [3]},
-    {"begin_suppress_tokens": [3]}, {"watermarking_config": {"bias": 2.0}}, {"token_healing": True},
+    {"forced_bos_token_id": 1}, {"forced_eos_token_id": 2},
+    {"remove_invalid_values": True}, {"exponential_decay_length_penalty": (5, 1.1)},
+    {"watermarking_config": {"bias": 2.0}}, {"token_healing": True},
     {"min_p": 0.05}, {"typical_p": 0.9}, {"epsilon_cutoff": 3e-4}, {"eta_cutoff": 3e-4}, {"top_h": 0.4},
     {"constraints": ["x"]}, {"force_words_ids": [[1]]}, {"encoder_no_repeat_ngram_size": 2},
 ]
@@ -392,10 +393,10 @@ def test_settings_that_change_the_distribution_are_refused(setting):
 
 
 def test_every_unsupported_setting_is_named_at_once():
-    config = GenerationConfig(do_sample=True, repetition_penalty=1.3, min_p=0.1, top_k=20)
+    config = GenerationConfig(do_sample=True, encoder_repetition_penalty=1.3, min_p=0.1, top_k=20)
     with pytest.raises(UnsupportedGenerationError) as error:
         SamplingParams.from_generation_config(config)
-    assert "repetition_penalty=1.3" in str(error.value) and "min_p=0.1" in str(error.value)
+    assert "encoder_repetition_penalty=1.3" in str(error.value) and "min_p=0.1" in str(error.value)
     assert "top_k" not in str(error.value).split("Supported")[0]
 
 
