@@ -308,3 +308,29 @@ def test_no_processor_configured_leaves_the_fast_path_untouched(setup, monkeypat
     out = speculative(model, ids, mask, plain, {}, options={**TREE, "calibrate": "on", "calibration_cache": "memory"})
     assert torch.equal(out.sequences, plain)
     assert out.stats.calibration["policy"]["chosen"]["plain"] > 0
+
+
+@pytest.mark.slow
+def test_the_real_target_with_the_shipped_head():
+    """SmolLM2-135M-Instruct with the shipped head: greedy with a repetition penalty and n-gram blocking equals
+    HF's, 32 tokens, with draft tokens accepted."""
+    from eagle_compile.heads import shipped_head
+
+    torch.set_num_threads(2)
+    model, tokenizer = eagle_compile.load_default_target(torch.float32)
+    draft = eagle_compile.load_draft(shipped_head(), target=model, dtype=torch.float32)
+    messages = [[{"role": "user", "content": "Write a short poem about the sea and the sea again."}],
+                [{"role": "user", "content": "List three colours."}]]
+    tokenizer.padding_side = "left"
+    texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in messages]
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    kwargs = {"repetition_penalty": 1.3, "no_repeat_ngram_size": 3, "max_new_tokens": 32}
+    with torch.no_grad():
+        ref = model.generate(**batch, do_sample=False, **kwargs)
+        plain = model.generate(**batch, do_sample=False, max_new_tokens=32)
+    assert not torch.equal(ref, plain)
+    out = eagle_compile.generate(model, batch["input_ids"], attention_mask=batch["attention_mask"], draft=draft,
+                                 options={"numerics": "eager", "calibrate": "off"}, return_dict_in_generate=True,
+                                 **kwargs)
+    assert torch.equal(out.sequences, ref)
+    assert accepted_draft_tokens(out.stats) > 0
