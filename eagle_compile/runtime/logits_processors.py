@@ -65,8 +65,10 @@ class ProcessorSettings:
             repetition_penalty=_penalty(get("repetition_penalty")),
             no_repeat_ngram_size=_non_negative("no_repeat_ngram_size", get("no_repeat_ngram_size") or 0),
             bad_words_ids=_bad_words(get("bad_words_ids"), eos),
-            # HF adds the two EOS blockers only when there is an EOS token
-            min_length=_non_negative("min_length", get("min_length") or 0) if eos else 0,
+            # HF adds the two EOS blockers only when there is an EOS token; a min_new_tokens replaces min_length
+            # (`_prepare_generated_length` sets min_length = min_new_tokens + prompt: the same condition)
+            min_length=_non_negative("min_length", get("min_length") or 0) if eos and get("min_new_tokens") is None
+            else 0,
             min_new_tokens=_non_negative("min_new_tokens", get("min_new_tokens") or 0) if eos else 0,
             eos_token_ids=eos,
             suppress_tokens=_token_list("suppress_tokens", get("suppress_tokens")),
@@ -254,9 +256,14 @@ def apply(scores: torch.Tensor, s: ProcessorSettings, seq: torch.Tensor, length:
 
 def block_tokens(scores: torch.Tensor, tokens: tuple[int, ...], when: torch.Tensor) -> torch.Tensor:
     """`tokens` get -inf at the nodes where `when [B, M]` (min_length, min_new_tokens, suppress_tokens)."""
-    vocab = torch.arange(scores.shape[-1], device=scores.device)
-    listed = torch.isin(vocab, torch.tensor(tokens, dtype=torch.long, device=scores.device))
-    return torch.where(when[..., None] & listed, -math.inf, scores)
+    return torch.where(when[..., None] & _listed(tokens, scores.shape[-1], scores.device), -math.inf, scores)
+
+
+@functools.lru_cache(maxsize=64)
+def _listed(tokens: tuple[int, ...], vocab: int, device: torch.device) -> torch.Tensor:
+    """[V] bool: the vocabulary entries in `tokens` (built once per setting, not every cycle)."""
+    ids = torch.tensor(tokens, dtype=torch.long, device=device)
+    return torch.isin(torch.arange(vocab, device=device), ids)
 
 
 def repetition_penalty(scores: torch.Tensor, seq: torch.Tensor, ignore: torch.Tensor, penalty: float

@@ -334,3 +334,15 @@ def test_the_real_target_with_the_shipped_head():
                                  **kwargs)
     assert torch.equal(out.sequences, ref)
     assert accepted_draft_tokens(out.stats) > 0
+
+
+def test_min_new_tokens_takes_precedence_over_min_length(setup):
+    """HF replaces min_length by min_new_tokens + the prompt width when both are given."""
+    model, ids, mask, plain = setup
+    eos = {"eos_token_id": int(plain[0, ids.shape[1] + 2])}
+    kwargs = {"min_new_tokens": 4, "min_length": ids.shape[1] + 20, **eos}
+    ref = greedy_reference(model, ids, attention_mask=mask, max_new_tokens=NEW, **kwargs)
+    long = greedy_reference(model, ids, attention_mask=mask, max_new_tokens=NEW, min_length=kwargs["min_length"], **eos)
+    assert not torch.equal(ref, long), "min_length alone gives the same output: the precedence would not show"
+    out = speculative(model, ids, mask, ref, kwargs)
+    assert torch.equal(out.sequences, ref)
