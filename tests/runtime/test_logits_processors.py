@@ -346,3 +346,17 @@ def test_min_new_tokens_takes_precedence_over_min_length(setup):
     assert not torch.equal(ref, long), "min_length alone gives the same output: the precedence would not show"
     out = speculative(model, ids, mask, ref, kwargs)
     assert torch.equal(out.sequences, ref)
+
+
+def test_rows_that_advance_at_different_rates_stay_exact(setup):
+    """Row 0 drafts HF's processed continuation, row 1 the unprocessed one (right until the processors change
+    it): the rows' histories grow at different rates within one batch."""
+    model, ids, mask, plain = setup
+    kwargs = settings("bad_words_ids", ids, plain)          # row 1's output changes at its 5th new token
+    ref = greedy_reference(model, ids, attention_mask=mask, max_new_tokens=NEW, **kwargs)
+    drafter = ScriptedDrafter([continuations(ids, mask, ref)[0], continuations(ids, mask, plain)[1]], 96)
+    out = eagle_compile.generate(model, ids, attention_mask=mask, draft=drafter, options=TREE, max_new_tokens=NEW,
+                                 return_dict_in_generate=True, **kwargs)
+    assert torch.equal(out.sequences, ref)
+    rows = out.stats.row_acceptance
+    assert sum(rows[0]) / len(rows[0]) > sum(rows[1]) / len(rows[1]) > 1.0     # ragged, and row 1 accepted some
