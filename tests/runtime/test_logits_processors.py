@@ -231,11 +231,11 @@ def _hf_probs(target, seqs):
         return procs(seqs, target(seqs).logits[:, -1].float()).softmax(-1).double()
 
 
-def _sample(target, drafter, prompt):
+def _sample(target, drafter, prompt, **options):
     torch.manual_seed(1234)
     out = eagle_compile.generate(target, prompt.repeat(ROWS, 1), draft=drafter, max_new_tokens=3,
                                  options={"depth": 3, "top_k": 2, "total_tokens": 6, "prefill_chunk": 8,
-                                          "batch_buckets": (ROWS,)},
+                                          "batch_buckets": (ROWS,), **options},
                                  return_dict_in_generate=True, repetition_penalty=PENALTY, **SAMPLING)
     return pair_counts(out.sequences, V), out.stats
 
@@ -245,6 +245,15 @@ def test_sampling_follows_the_processed_distribution(sampling_setup):
     counts, stats = _sample(target, drafter, prompt)
     through_node = sum(n for length, n in stats.histogram.items() if length >= 2)   # the 2nd token was drafted
     assert through_node > 1000, "the depth-1 node rarely decided a token: the test would prove little"
+    assert counts[joint == 0].sum() == 0
+    assert pair_p_value(counts, joint) > 1e-3
+    assert 0.5 * (counts / ROWS - joint).abs().sum() < 2.0 * (V * V / ROWS) ** 0.5
+
+
+def test_plain_mode_samples_the_processed_distribution(sampling_setup):
+    target, drafter, prompt, joint = sampling_setup
+    counts, stats = _sample(target, drafter, prompt, speculate=False)
+    assert not stats.speculate and stats.cycles == 2
     assert counts[joint == 0].sum() == 0
     assert pair_p_value(counts, joint) > 1e-3
     assert 0.5 * (counts / ROWS - joint).abs().sum() < 2.0 * (V * V / ROWS) ** 0.5
