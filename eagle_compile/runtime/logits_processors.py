@@ -178,7 +178,7 @@ class TokenHistory:
         sentinel = self.tokens.shape[1] - 1
         write = torch.where(keep, self.length[:, None] + cols, sentinel).clamp(max=sentinel)
         self.tokens.scatter_(1, write, new)
-        self.length.add_(count)
+        self.length.add_(count).clamp_(max=sentinel)    # the room covers a call: only runaway scratch rows clamp
 
     def clone(self) -> TokenHistory:
         return TokenHistory(*(t.clone() for t in (self.tokens, self.length, self.prompt_length, self.ignore)))

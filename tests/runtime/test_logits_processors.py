@@ -369,3 +369,15 @@ def test_rows_that_advance_at_different_rates_stay_exact(setup):
     assert torch.equal(out.sequences, ref)
     rows = out.stats.row_acceptance
     assert sum(rows[0]) / len(rows[0]) > sum(rows[1]) / len(rows[1]) > 1.0     # ragged, and row 1 accepted some
+
+
+def test_measured_calibration_costs_with_processors(setup):
+    """The calibration layer times every program on scratch copies of the row state, history included (many
+    cycles past a short call's room): the call stays exact."""
+    model, ids, mask, plain = setup
+    kwargs = settings("no_repeat_ngram_size", ids, plain)
+    ref = greedy_reference(model, ids, attention_mask=mask, max_new_tokens=4, **kwargs)
+    out = speculative(model, ids, mask, ref, kwargs, new=4,
+                      options={**TREE, "calibrate": "on", "calibration_cache": "memory"})
+    assert torch.equal(out.sequences, ref)
+    assert "measured now" in next(iter(out.stats.calibration["costs"].values()))
