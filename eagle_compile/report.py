@@ -100,8 +100,9 @@ def _counts(counts: dict[str, int]) -> str:
 
 def _sampling(key) -> str:
     """A step's key in the decoder's books: (`SamplingParams.program_key`, menu entry name or None)."""
-    do_sample, top_k, top_p = key[0]
+    do_sample, top_k, top_p, processors = key[0]
+    extra = ", logits processors" if processors is not None else ""
     if not do_sample:
-        return "greedy"
-    return "sampling" + (f", top-k bucket {top_k}" if top_k else "") + (", top-p" if top_p else "")
+        return "greedy" + extra
+    return "sampling" + (f", top-k bucket {top_k}" if top_k else "") + (", top-p" if top_p else "") + extra
 

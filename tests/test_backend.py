@@ -124,9 +124,9 @@ def test_unsupported_generation_settings_are_refused():
 
     model = tiny_target("llama")
     drafter = ScriptedDrafter([[0] * 64], 96, "oracle")
-    with pytest.raises(Exception, match="repetition_penalty"):
+    with pytest.raises(Exception, match="encoder_repetition_penalty"):
         eagle_compile.generate(model, torch.tensor([[4, 5]]), draft=drafter, max_new_tokens=3,
-                               repetition_penalty=1.3)
+                               encoder_repetition_penalty=1.3)
     with pytest.raises(Exception, match="output_scores"):
         eagle_compile.generate(model, torch.tensor([[4, 5]]), draft=drafter, max_new_tokens=3,
                                output_scores=True, return_dict_in_generate=True)

@@ -119,14 +119,19 @@ class Calibration:
                           active=torch.ones_like(state.active),
                           drafting=torch.ones_like(state.active), floor=torch.full((batch,), -torch.inf,
                                                                                    device=device),
-                          copy=None if state.copy is None else torch.zeros_like(state.copy))   # every node valid
+                          copy=None if state.copy is None else torch.zeros_like(state.copy),   # every node valid
+                          history=None if state.history is None else state.history.clone())
             scratch[e.name] = s
             step = d.step_for(sampling, e)
             depth, width = (e.shape.span, e.shape.width) if e.shape is not None else (0, 0)
             uniforms, final = draw_uniforms(batch, depth, width, device=device)
 
-            def call(step=step, s=s, n0=context + 1, u=uniforms, f=final):
+            h0 = None if s.history is None else s.history.length.clone()
+
+            def call(step=step, s=s, n0=context + 1, h0=h0, u=uniforms, f=final):
                 s.n.fill_(n0)
+                if h0 is not None:                  # every timed cycle processes the same history
+                    s.history.length.copy_(h0)
                 return step(s, cache, draft_kv, u, f).accept_len.tolist()
 
             calls[e.name] = call

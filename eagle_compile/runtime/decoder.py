@@ -41,12 +41,14 @@ from eagle_compile.core.verify import draw_uniforms
 from eagle_compile.draft.drafter import Drafter
 from eagle_compile.draft.drift import DriftTotals
 from eagle_compile.draft.lookup import PromptLookup
+from eagle_compile.errors import UnsupportedGenerationError
 from eagle_compile.lowering import lowering_for
 from eagle_compile.options import EagleOptions
 from eagle_compile.runtime.calibration import Calibration
 from eagle_compile.runtime.context_window import ContextWindow
 from eagle_compile.runtime.cuda_graphs import BucketBuffers, CudaGraphRuntime, GraphedStep
 from eagle_compile.runtime.kv_cache import SlotKVCache
+from eagle_compile.runtime.logits_processors import TokenHistory, process_next
 from eagle_compile.runtime.plain_step import PlainStep
 from eagle_compile.runtime.prefill_plan import prefill_plan
 from eagle_compile.runtime.sampling import SamplingParams, SamplingValues, target_probs
@@ -187,7 +189,10 @@ class SpeculativeDecoder:
     # -- public ----------------------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompts: list[torch.Tensor], stopper: StopChecker, sampling: SamplingParams,
-                 generator: torch.Generator | None = None) -> GenerationStats:
+                 generator: torch.Generator | None = None,
+                 inputs: tuple[torch.Tensor, torch.Tensor] | None = None) -> GenerationStats:
+        """`inputs`: the caller's padded `input_ids` and `attention_mask` [R, L], the rows HF's logits processors
+        read (needed when `sampling.processors` is set)."""
         stats = GenerationStats(tree=self.tree_stats(), lowering=self.lowering.describe(),
                                 speculate=self.speculate)
         real = len(prompts)
@@ -196,6 +201,7 @@ class SpeculativeDecoder:
         active = torch.tensor([not f for f in stopper.finished] + [False] * (batch - real))
         longest = max(len(p) for p in prompts)
         self.window.check(longest, stopper.max_new_tokens, self._reach(longest, stopper.max_new_tokens))
+        history = self._history(sampling, inputs, batch, longest, stopper.max_new_tokens)
         slots = self._slots(prompts, stopper.max_new_tokens)
         device = prompts[0].device
         graphed = self._graphed(sampling, device, stats)
@@ -208,7 +214,7 @@ class SpeculativeDecoder:
         timings_before = dict(self.timings)
         replays_before = graphed.replays if graphed else 0
         t0 = time.perf_counter()
-        state = self._prefill(prompts, cache, draft_kv, sampling, generator, stopper, active, stats)
+        state = self._prefill(prompts, cache, draft_kv, sampling, generator, stopper, active, stats, history)
         stats.prefill_time = time.perf_counter() - t0
         if graphed:
             state = buffers.hold(state)
@@ -259,6 +265,24 @@ class SpeculativeDecoder:
                 "source": self.tree_source, "fixed": self.calibration_reason, **copy}
 
     # -- setup -----------------------------------------------------------------------------------------------
+    def _history(self, sampling: SamplingParams, inputs, batch: int, longest: int, max_new: int
+                 ) -> TokenHistory | None:
+        """The rows HF's logits processors read, on the device (None when no processor is configured)."""
+        if sampling.processors is None:
+            return None
+        for option in ("step_program", "cudagraphs"):
+            if getattr(self.options, option):
+                raise UnsupportedGenerationError(
+                    f"logits processors ({', '.join(sorted(sampling.processors.configured()))}) are applied by "
+                    f"the host-loop step only, not with {option}=True; pass options={{'{option}': False}} or "
+                    "drop those generation settings")
+        if inputs is None:
+            raise ValueError("logits processors need the padded input_ids and attention_mask: "
+                             "SpeculativeDecoder.generate(..., inputs=(input_ids, attention_mask))")
+        sampling.processors.check_vocabulary(self.model.get_output_embeddings().out_features)
+        room = self._reach(longest, max_new) - longest + 1        # what a row may append, a cycle's overrun included
+        return TokenHistory.start(*inputs, rows=batch, room=room)
+
     def _caches(self, batch: int, slots: int, device) -> tuple[SlotKVCache, object]:
         dtype = next(self.model.parameters()).dtype
         cache = SlotKVCache(self.model.config, batch, slots, dtype=dtype, device=device)
@@ -325,7 +349,8 @@ class SpeculativeDecoder:
         return math.ceil(need / mult) * mult
 
     # -- prefill ---------------------------------------------------------------------------------------------
-    def _prefill(self, prompts, cache, draft_kv, sampling, generator, stopper, active, stats) -> StepState:
+    def _prefill(self, prompts, cache, draft_kv, sampling, generator, stopper, active, stats,
+                 history: TokenHistory | None = None) -> StepState:
         """Chunked prefill through the captured program (each chunk a causal block over the live slots), the
         draft's catch-up over each chunk right after it, the first token, then the catch-up of each row's last
         prompt position (whose next token is that first token)."""
@@ -358,7 +383,9 @@ class SpeculativeDecoder:
             if self.speculate:                             # draft KV of pairs (feature p, token p+1), p < last
                 fill_draft(self.drafter, draft_kv, cache.slots, feats, tokens[:, start + 1:start + size + 1],
                            torch.full_like(lengths, start), torch.minimum(last - 1, pos[:, -1]))
-        first, usable = self._sample_one(last_logits, sampling, generator)      # [B] each
+        first, usable = self._sample_one(last_logits, sampling, generator, history)      # [B] each
+        if history is not None:
+            history.append(first[:, None], torch.ones_like(lengths))
         read = torch.stack([first, usable.long()], 1).tolist()         # the prefill's one host read
         for b in range(len(stopper.generated)):
             if not bool(active[b]):
@@ -372,7 +399,7 @@ class SpeculativeDecoder:
             seed_fb, seed_head = catch_up(self.drafter, draft_kv, cache.slots, last_feats[:, None], first[:, None],
                                           last, last)
         return StepState(n=lengths + 1, root=first, seed_feedback=seed_fb, seed_head=seed_head,
-                         active=torch.zeros_like(lengths, dtype=torch.bool))
+                         active=torch.zeros_like(lengths, dtype=torch.bool), history=history)
 
     # -- one cycle -------------------------------------------------------------------------------------------
     def _cycle(self, state: StepState, cache, draft_kv, sampling, generator, stopper, active, stats, buffers):
@@ -466,12 +493,15 @@ class SpeculativeDecoder:
             self._draft_vocab = set(self.drafter.target_vocab().tolist())
         return self._draft_vocab
 
-    def _sample_one(self, logits: torch.Tensor, sampling: SamplingParams, generator
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first new token, from the prefill's last logits [B, V] (float32, as HF casts them), and [B] bool:
-        those logits were usable (`usable_logits`). Unusable rows draw from zeros instead: torch.multinomial
-        refuses a whole batch for one row of NaN probabilities."""
+    def _sample_one(self, logits: torch.Tensor, sampling: SamplingParams, generator,
+                    history: TokenHistory | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first new token, from the prefill's last logits [B, V] (float32, as HF casts them; HF's logits
+        processors applied from the prompt rows when set), and [B] bool: those logits were usable
+        (`usable_logits`). Unusable rows draw from zeros instead: torch.multinomial refuses a whole batch for
+        one row of NaN probabilities."""
         usable = usable_logits(logits)
+        if sampling.processors is not None:
+            logits = process_next(logits, sampling.processors, history)
         if not sampling.do_sample:
             return logits.argmax(-1), usable
         probs = target_probs(torch.where(usable[:, None], logits, 0.0), sampling)

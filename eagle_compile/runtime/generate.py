@@ -28,7 +28,15 @@ from transformers.generation import (
     EosTokenCriteria,
     LogitsProcessorList,
     MaxLengthCriteria,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    NoBadWordsLogitsProcessor,
+    NoRepeatNGramLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
     StopStringCriteria,
+    SuppressTokensAtBeginLogitsProcessor,
+    SuppressTokensLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -48,6 +56,13 @@ from eagle_compile.runtime.stats import GenerationStats
 from eagle_compile.runtime.stopping import StopChecker
 
 _IMPLIED_PROCESSORS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+# the processors HF builds from these generation settings; `runtime/logits_processors.py` applies them per node
+_CONFIG_PROCESSORS = {
+    SequenceBiasLogitsProcessor: "sequence_bias", RepetitionPenaltyLogitsProcessor: "repetition_penalty",
+    NoRepeatNGramLogitsProcessor: "no_repeat_ngram_size", NoBadWordsLogitsProcessor: "bad_words_ids",
+    MinLengthLogitsProcessor: "min_length", MinNewTokensLengthLogitsProcessor: "min_new_tokens",
+    SuppressTokensLogitsProcessor: "suppress_tokens", SuppressTokensAtBeginLogitsProcessor: "begin_suppress_tokens",
+}
 _NATIVE_CRITERIA = (MaxLengthCriteria, EosTokenCriteria)
 _UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 _decoders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -96,15 +111,15 @@ def generate(model, input_ids: torch.Tensor | None = None, logits_processor=None
             "stop_strings, ...) plus draft=, options=, tokenizer=, generator="
         )
     _refuse_unsupported_outputs(generation_config)
-    _check_processors(logits_processor)
     sampling = SamplingParams.from_generation_config(generation_config)
+    _check_processors(logits_processor, sampling)
     prompts, attention_mask = _split_rows(model, input_ids, attention_mask)
     stopper = _stopper(model, prompts, input_ids.shape[1], generation_config, stopping_criteria, tokenizer,
                        streamer)
     decoder = decoder_for(model, draft if draft is not None else opts.draft, opts)
     if streamer is not None:
         streamer.put(input_ids.cpu())          # the prompt first, as HF's generate does
-    stats = decoder.generate(prompts, stopper, sampling, generator)
+    stats = decoder.generate(prompts, stopper, sampling, generator, inputs=(input_ids, attention_mask))
     if streamer is not None:
         streamer.end()
     return _assemble(input_ids, attention_mask, stopper, generation_config, stats)
@@ -128,15 +143,26 @@ def _refuse_unsupported_outputs(gc: GenerationConfig) -> None:
                                          "(return_dict_in_generate=True gives sequences, attention_mask and stats)")
 
 
-def _check_processors(logits_processor) -> None:
-    """HF hands us the processors it built from the generation config (temperature, top-k, top-p), which
-    `SamplingParams` reproduces; anything else would change the target distribution, so we refuse it."""
+def _check_processors(logits_processor, sampling: SamplingParams) -> None:
+    """HF hands us the processors it built from the generation config, which `SamplingParams` reproduces (the
+    warpers, and the history-reading processors per tree node); a processor the config does not imply (one the
+    caller built) is not applied here, so we refuse it rather than drop it."""
+    configured = sampling.processors.configured() if sampling.processors is not None else set()
+    if "min_new_tokens" in configured:
+        # HF's _prepare_generated_length turns min_new_tokens into min_length = prompt length + min_new_tokens
+        # and hands us a MinLengthLogitsProcessor for it: the same rule, which ProcessorSettings keeps as min_new_tokens
+        configured.add("min_length")
     for proc in logits_processor or LogitsProcessorList():
-        if not isinstance(proc, _IMPLIED_PROCESSORS):
-            raise UnsupportedGenerationError(
-                f"logits processor {type(proc).__name__} is not supported by speculative decoding (only "
-                "temperature, top_k and top_p); remove it or decode with plain model.generate"
-            )
+        if isinstance(proc, _IMPLIED_PROCESSORS) or _CONFIG_PROCESSORS.get(type(proc)) in configured:
+            continue
+        setting = _CONFIG_PROCESSORS.get(type(proc))
+        fix = (f"set {setting}=... as a generation setting instead (eagle_compile applies it per tree node)"
+               if setting else "remove it or decode with plain model.generate")
+        raise UnsupportedGenerationError(
+            f"logits processor {type(proc).__name__} passed in logits_processor= is not supported by speculative "
+            f"decoding (only the ones generation settings imply: temperature, top_k, top_p, "
+            f"{', '.join(_CONFIG_PROCESSORS.values())}); {fix}"
+        )
 
 
 def _split_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):

@@ -18,6 +18,7 @@ import torch
 
 from eagle_compile.core.masks import SlotMask
 from eagle_compile.core.verify import inverse_cdf
+from eagle_compile.runtime.logits_processors import process_next
 from eagle_compile.runtime.sampling import SamplingParams, SamplingValues, target_probs
 from eagle_compile.runtime.step import StepOutput, StepState, TargetForward, usable_logits
 
@@ -38,10 +39,15 @@ class PlainStep:
         write = torch.where(state.active, base, cache.slots - 1)[:, None]   # inactive rows: sentinel only
         logits, feats = self.target_forward(state.root[:, None], base[:, None], SlotMask.causal(base, cache.slots),
                                             write, cache)
-        token = self._next(logits[:, 0].float(), final_uniform)             # [B]
+        scores = logits[:, 0].float()
+        if self.sampling.processors is not None:         # HF's processors, from the row's history
+            scores = process_next(scores, self.sampling.processors, state.history)
+        token = self._next(scores, final_uniform)                           # [B]
         usable = usable_logits(logits[:, 0])                                 # [B]
         state.root.copy_(torch.where(state.active, token, state.root))
         state.n.copy_(torch.where(state.active, state.n + 1, state.n))
+        if state.history is not None:
+            state.history.append(token[:, None], state.active.long())
         return StepOutput(accept_len=torch.zeros_like(base), tokens=token[:, None],
                           features=feats if self.keep_features else None, finite=usable.long())
 

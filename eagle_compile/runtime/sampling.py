@@ -5,9 +5,12 @@ would sample from. That distribution is HF's: logits cast to float32, then `Temp
 `TopKLogitsWarper`, `TopPLogitsWarper` in that order, then softmax. `process_logits` repeats those warpers op
 for op (same ties, `min_tokens_to_keep=1`), `target_probs` adds the cast and the softmax.
 
-Any other generation setting that would change the distribution (repetition penalty, min-p, typical-p, bad
-words, beams, ...) is refused by `SamplingParams.from_generation_config` with `UnsupportedGenerationError`; it
-is never silently ignored, because the output would then differ from what the user asked for.
+HF's logits processors that read the tokens generated so far (repetition penalty, n-gram blocking, bad words,
+sequence bias, min length / min new tokens, suppressed tokens) run before the warpers, per tree node from its
+own path (`runtime/logits_processors.py`, settings in `SamplingParams.processors`). Any other generation
+setting that would change the distribution (min-p, typical-p, beams, encoder penalties, ...) is refused by
+`SamplingParams.from_generation_config` with `UnsupportedGenerationError`; it is never silently ignored,
+because the output would then differ from what the user asked for.
 
 Everything here is shape-static and free of host synchronisation: the only branches are on Python values, never
 on tensor values. A program that runs many times (a step, a captured step program, a CUDA graph) takes the
@@ -27,6 +30,7 @@ from typing import Any
 import torch
 
 from eagle_compile.errors import UnsupportedGenerationError
+from eagle_compile.runtime.logits_processors import ProcessorSettings
 
 # transformers fills the generation fields left at None with these (transformers 5.x:
 # `GenerationConfig._get_default_generation_params`; 4.x had them as constructor defaults). Only the fields
@@ -55,13 +59,15 @@ HF_GENERATION_DEFAULTS: dict[str, Any] = {
 class SamplingParams:
     """How the target distribution is formed. Greedy is `do_sample=False` (the other fields are then unused).
 
-    `top_k=0` and `top_p=1.0` disable those filters, as in Hugging Face.
+    `top_k=0` and `top_p=1.0` disable those filters, as in Hugging Face. `processors`: HF's history-reading
+    logits processors, applied greedy or sampling before the warpers (None: none configured).
     """
 
     do_sample: bool = False
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    processors: ProcessorSettings | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.do_sample, bool):
@@ -86,21 +92,24 @@ class SamplingParams:
         object.__setattr__(self, "top_p", float(self.top_p))
 
     @property
-    def program_key(self) -> tuple[bool, int, bool]:
-        """What changes a sampling program's code: (do_sample, the top-k bucket (0: no top-k), top-p filtering);
-        the temperature, top_k within its bucket and top_p are run-time numbers (`SamplingValues`)."""
+    def program_key(self) -> tuple[bool, int, bool, ProcessorSettings | None]:
+        """What changes a sampling program's code: (do_sample, the top-k bucket (0: no top-k), top-p filtering,
+        the logits processors); the temperature, top_k within its bucket and top_p are run-time numbers
+        (`SamplingValues`). The processors' settings stay Python values baked into the program (one program per
+        distinct processor setting: a workload that varies them per call captures one program per value)."""
         if not self.do_sample:
-            return (False, 0, False)
-        return (True, top_k_bucket(self.top_k), self.top_p < 1.0)
+            return (False, 0, False, self.processors)
+        return (True, top_k_bucket(self.top_k), self.top_p < 1.0, self.processors)
 
     def structure(self) -> SamplingParams:
         """The one setting that stands for every setting of this `program_key` in a program's code: programs
         are built from it and never read its numbers (a traced value would be guarded, and recompiled per value),
-        only `SamplingValues`."""
+        only `SamplingValues`; the processors are kept as they are."""
         if not self.do_sample:
-            return SamplingParams(do_sample=False)
-        _, bucket, top_p = self.program_key
-        return SamplingParams(do_sample=True, top_k=bucket, top_p=0.5 if top_p else 1.0)
+            return SamplingParams(do_sample=False, processors=self.processors)
+        _, bucket, top_p, _ = self.program_key
+        return SamplingParams(do_sample=True, top_k=bucket, top_p=0.5 if top_p else 1.0,
+                              processors=self.processors)
 
     @classmethod
     def from_generation_config(cls, generation_config: Any) -> SamplingParams:
@@ -120,12 +129,15 @@ class SamplingParams:
             raise UnsupportedGenerationError(
                 "speculative decoding cannot honour these generation settings losslessly: "
                 + "; ".join(problems)
-                + ". Supported: do_sample, temperature, top_k, top_p (plus stops and lengths). Remove these "
-                "settings or decode without eagle_compile."
+                + ". Supported: do_sample, temperature, top_k, top_p, repetition_penalty, no_repeat_ngram_size, "
+                "bad_words_ids, sequence_bias, min_length, min_new_tokens, suppress_tokens, begin_suppress_tokens "
+                "(plus stops and lengths). Remove these settings or decode without eagle_compile."
             )
+        processors = ProcessorSettings.from_generation_config(get)
         if not get("do_sample"):
-            return cls(do_sample=False)
-        return cls(do_sample=True, temperature=get("temperature"), top_k=get("top_k"), top_p=get("top_p"))
+            return cls(do_sample=False, processors=processors)
+        return cls(do_sample=True, temperature=get("temperature"), top_k=get("top_k"), top_p=get("top_p"),
+                   processors=processors)
 
 
 def _unsupported_settings(get) -> list[str]:
@@ -139,20 +151,14 @@ def _unsupported_settings(get) -> list[str]:
         ("constraints", lambda v: True, "constrained beam search"),
         ("force_words_ids", lambda v: True, "constrained beam search"),
         ("guidance_scale", lambda v: v != 1, "classifier-free guidance"),
-        ("sequence_bias", lambda v: True, "sequence bias"),
-        ("repetition_penalty", lambda v: v != 1.0, "repetition penalty"),
-        ("encoder_repetition_penalty", lambda v: v != 1.0, "encoder repetition penalty"),
-        ("no_repeat_ngram_size", lambda v: v > 0, "n-gram blocking"),
-        ("encoder_no_repeat_ngram_size", lambda v: v > 0, "encoder n-gram blocking"),
-        ("bad_words_ids", lambda v: True, "bad-word blocking"),
-        ("min_length", lambda v: v > 0, "EOS suppressed before min_length"),
-        ("min_new_tokens", lambda v: v > 0, "EOS suppressed before min_new_tokens"),
+        ("encoder_repetition_penalty", lambda v: v != 1.0,
+         "encoder repetition penalty: not implemented per tree node; use repetition_penalty"),
+        ("encoder_no_repeat_ngram_size", lambda v: v > 0,
+         "encoder n-gram blocking: not implemented per tree node; use no_repeat_ngram_size"),
         ("forced_bos_token_id", lambda v: True, "forced BOS token"),
         ("forced_eos_token_id", lambda v: True, "forced EOS token"),
         ("remove_invalid_values", lambda v: bool(v), "inf/nan logits replaced"),
         ("exponential_decay_length_penalty", lambda v: True, "EOS boosted with length"),
-        ("suppress_tokens", lambda v: len(v) > 0, "suppressed tokens"),
-        ("begin_suppress_tokens", lambda v: len(v) > 0, "suppressed first tokens"),
         ("watermarking_config", lambda v: True, "watermarking"),
         ("token_healing", lambda v: bool(v), "token healing rewrites the prompt"),
     ]

@@ -26,6 +26,7 @@ from eagle_compile.core.verify import verify_greedy, verify_sample
 from eagle_compile.draft.drafter import Drafter
 from eagle_compile.draft.drift import DriftProbe
 from eagle_compile.draft.tree import build_tree
+from eagle_compile.runtime.logits_processors import TokenHistory, process_nodes
 from eagle_compile.runtime.sampling import SamplingParams, SamplingValues, target_probs
 
 TargetForward = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -43,6 +44,7 @@ class StepState:
     drafting: torch.Tensor | None = None   # [B] bool: rows whose draft nodes may be accepted (calibration)
     floor: torch.Tensor | None = None      # [B] float: nodes with a lower cumulative log-prob are masked
     copy: torch.Tensor | None = None       # [B, L] copy-branch proposals (draft/lookup.py), -1 = none
+    history: TokenHistory | None = None    # the tokens HF's logits processors read (SamplingParams.processors)
 
 
 @dataclass
@@ -163,7 +165,7 @@ class SpeculativeStep:
         mask = SlotMask.tree(tree.ancestors, base, cache.slots)
         logits, feats = self.target_forward(tree.tokens, positions, mask, write, cache)
         t = self._mark("verify", t)
-        acc = self._verify(tree, logits.float(), uniforms, final_uniform)
+        acc = self._verify(tree, self._scores(logits.float(), state, tree), uniforms, final_uniform)
         identity = torch.arange(shape.span + 1, device=base.device).expand_as(acc.path)
         cache.compact(base, torch.where(active[:, None], acc.path, identity))   # inactive rows: a no-op move
         t = self._mark("accept", t)
@@ -175,11 +177,19 @@ class SpeculativeStep:
         state.seed_head.copy_(head)
         state.root.copy_(acc.tokens.gather(1, a[:, None])[:, 0])
         state.n.copy_(torch.where(state.active, state.n + a + 1, state.n))
+        if state.history is not None:
+            state.history.append(acc.tokens, torch.where(active, a + 1, 0))
         self._mark("draft", t)
         copied = torch.where(acc.path[:, 1] >= shape.total_tokens, a, 0) if shape.copy else None
         return StepOutput(accept_len=a, tokens=acc.tokens, confidence=confidence,
                           drift=None if probe is None else probe.stacked(shape.depth, state.seed_feedback),
                           copied=copied, finite=finite_prefix(logits, acc.path))
+
+    def _scores(self, logits: torch.Tensor, state: StepState, tree) -> torch.Tensor:
+        """[B, M, V] the scores verification compares: HF's logits processors applied per node, when set."""
+        if self.sampling.processors is None:
+            return logits
+        return process_nodes(logits, self.sampling.processors, state.history, tree)
 
     def _verify(self, tree, logits, uniforms, final_uniform):
         if not self.sampling.do_sample:

@@ -27,6 +27,7 @@ from transformers.generation.logits_process import (
 
 from eagle_compile.core.verify import draw_uniforms, verify_sample
 from eagle_compile.errors import UnsupportedGenerationError
+from eagle_compile.runtime.logits_processors import ProcessorSettings
 from eagle_compile.runtime.sampling import (
     HF_GENERATION_DEFAULTS,
     SamplingParams,
@@ -351,12 +352,18 @@ def test_process_logits_matches_hf_warpers(params, dtype, as_tensors):
 def test_program_keys_and_structures():
     """Settings that differ only in numbers share a program; the top-k bucket, top-p and greedy do not."""
     key = SamplingParams(do_sample=True, temperature=0.7, top_k=20, top_p=0.9).program_key
-    assert key == (True, 32, True) == SamplingParams(do_sample=True, temperature=1.3, top_k=17, top_p=0.5).program_key
-    assert SamplingParams(do_sample=True, top_k=33, top_p=0.9).program_key == (True, 64, True)
-    assert SamplingParams(do_sample=True, top_k=0).program_key == (True, 0, False)
-    assert SamplingParams(temperature=0.5).program_key == SamplingParams().program_key == (False, 0, False)
+    assert key == (True, 32, True, None)
+    assert key == SamplingParams(do_sample=True, temperature=1.3, top_k=17, top_p=0.5).program_key
+    assert SamplingParams(do_sample=True, top_k=33, top_p=0.9).program_key == (True, 64, True, None)
+    assert SamplingParams(do_sample=True, top_k=0).program_key == (True, 0, False, None)
+    assert SamplingParams(temperature=0.5).program_key == SamplingParams().program_key == (False, 0, False, None)
     for params in WARPER_PARAMS:
         assert params.structure().program_key == params.program_key
+    # logits processors are code, not run-time numbers: a step built from the structure must keep them
+    penalised = SamplingParams(do_sample=True, top_k=20, processors=ProcessorSettings(repetition_penalty=1.3))
+    assert penalised.program_key != SamplingParams(do_sample=True, top_k=20).program_key
+    assert penalised.structure().processors == penalised.processors
+    assert SamplingParams(processors=penalised.processors).structure().processors == penalised.processors
 
 
 def test_greedy_params():
@@ -390,13 +397,14 @@ def test_hf_defaults_match_installed_transformers():
         assert installed[name] == value, name
 
 
+# (repetition_penalty, no_repeat_ngram_size, bad_words_ids, sequence_bias, min_length, min_new_tokens,
+# suppress_tokens and begin_suppress_tokens are applied per tree node: tests/runtime/test_logits_processors.py)
 UNSUPPORTED = [
-    {"repetition_penalty": 1.2}, {"encoder_repetition_penalty": 0.9}, {"no_repeat_ngram_size": 3},
-    {"bad_words_ids": [[5]]}, {"sequence_bias": {(5,): -1.0}}, {"num_beams": 4}, {"num_beam_groups": 2},
+    {"encoder_repetition_penalty": 0.9}, {"num_beams": 4}, {"num_beam_groups": 2},
     {"diversity_penalty": 0.5}, {"penalty_alpha": 0.6}, {"dola_layers": "high"}, {"guidance_scale": 1.5},
-    {"min_length": 10}, {"min_new_tokens": 3}, {"forced_bos_token_id": 1}, {"forced_eos_token_id": 2},
-    {"remove_invalid_values": True}, {"exponential_decay_length_penalty": (5, 1.1)}, {"suppress_tokens": [3]},
-    {"begin_suppress_tokens": [3]}, {"watermarking_config": {"bias": 2.0}}, {"token_healing": True},
+    {"forced_bos_token_id": 1}, {"forced_eos_token_id": 2},
+    {"remove_invalid_values": True}, {"exponential_decay_length_penalty": (5, 1.1)},
+    {"watermarking_config": {"bias": 2.0}}, {"token_healing": True},
     {"min_p": 0.05}, {"typical_p": 0.9}, {"epsilon_cutoff": 3e-4}, {"eta_cutoff": 3e-4}, {"top_h": 0.4},
     {"constraints": ["x"]}, {"force_words_ids": [[1]]}, {"encoder_no_repeat_ngram_size": 2},
 ]
@@ -410,10 +418,10 @@ def test_settings_that_change_the_distribution_are_refused(setting):
 
 
 def test_every_unsupported_setting_is_named_at_once():
-    config = GenerationConfig(do_sample=True, repetition_penalty=1.3, min_p=0.1, top_k=20)
+    config = GenerationConfig(do_sample=True, encoder_repetition_penalty=1.3, min_p=0.1, top_k=20)
     with pytest.raises(UnsupportedGenerationError) as error:
         SamplingParams.from_generation_config(config)
-    assert "repetition_penalty=1.3" in str(error.value) and "min_p=0.1" in str(error.value)
+    assert "encoder_repetition_penalty=1.3" in str(error.value) and "min_p=0.1" in str(error.value)
     assert "top_k" not in str(error.value).split("Supported")[0]
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scipy.stats import chisquare
+from distribution import pair_counts, pair_p_value
 from tiny import force_costs, tiny_target
 
 import eagle_compile
@@ -59,27 +59,14 @@ def _sample(target, head, prompt, **options):
                                  options={"depth": 3, "top_k": 2, "total_tokens": 6, "prefill_chunk": 8,
                                           "batch_buckets": (ROWS,), **options},
                                  return_dict_in_generate=True, **SAMPLING)
-    pairs = out.sequences[:, -2:]
-    counts = torch.zeros(V, V, dtype=torch.float64)
-    counts.index_put_((pairs[:, 0], pairs[:, 1]), torch.ones(ROWS, dtype=torch.float64), accumulate=True)
-    return counts, out.stats
-
-
-def _p_value(counts, joint):
-    expected = (joint * counts.sum()).flatten()
-    observed = counts.flatten()
-    big = expected >= 5
-    obs = torch.cat([observed[big], observed[~big].sum()[None]])
-    exp = torch.cat([expected[big], expected[~big].sum()[None]])
-    keep = exp > 0
-    return chisquare(obs[keep].numpy(), exp[keep].numpy() * obs[keep].sum().item() / exp[keep].sum().item()).pvalue
+    return pair_counts(out.sequences, V), out.stats
 
 
 def test_first_two_tokens_follow_the_target_distribution(setup):
     target, head, prompt, joint = setup
     counts, stats = _sample(target, head, prompt)
     assert max(stats.histogram) >= 2, "no draft token was ever accepted: the test would not exercise verification"
-    assert _p_value(counts, joint) > 1e-3
+    assert pair_p_value(counts, joint) > 1e-3
     tv = 0.5 * (counts / ROWS - joint).abs().sum()
     assert tv < 2.0 * (V * V / ROWS) ** 0.5
 
@@ -90,7 +77,7 @@ def test_the_distribution_holds_with_the_batch_invariant_kernels(setup32):
     counts, stats = _sample(target, head, prompt, numerics="batch_invariant")
     assert "numerics batch_invariant" in stats.lowering
     assert max(stats.histogram) >= 2
-    assert _p_value(counts, joint) > 1e-3
+    assert pair_p_value(counts, joint) > 1e-3
     assert 0.5 * (counts / ROWS - joint).abs().sum() < 2.0 * (V * V / ROWS) ** 0.5
 
 
@@ -106,7 +93,7 @@ def test_the_distribution_holds_with_calibration_and_node_masking(setup, monkeyp
     assert stats.calibration["policy"]["chosen"] == {"tree3x2x6": 1}
     assert stats.calibration["node_floor"] > -1e9                 # nodes under the floor were masked
     assert max(stats.histogram) >= 2
-    assert _p_value(counts, joint) > 1e-3
+    assert pair_p_value(counts, joint) > 1e-3
     assert 0.5 * (counts / ROWS - joint).abs().sum() < 2.0 * (V * V / ROWS) ** 0.5
 
 
@@ -119,7 +106,7 @@ def test_negative_control_with_calibration_is_detected(setup, monkeypatch):
 
     monkeypatch.setattr(step_module, "verify_sample", accept_every_draft_with_mass)
     counts, _ = _sample(target, head, prompt, calibrate="on", calibration_cache="memory")
-    assert _p_value(counts, joint) < 1e-6
+    assert pair_p_value(counts, joint) < 1e-6
 
 
 def test_negative_control_eager_acceptance_is_detected(setup, monkeypatch):
@@ -130,7 +117,7 @@ def test_negative_control_eager_acceptance_is_detected(setup, monkeypatch):
 
     monkeypatch.setattr(step_module, "verify_sample", accept_every_draft_with_mass)
     counts, _ = _sample(target, head, prompt)
-    assert _p_value(counts, joint) < 1e-6
+    assert pair_p_value(counts, joint) < 1e-6
 
 
 def test_plain_mode_samples_the_target_distribution(setup):
@@ -139,7 +126,7 @@ def test_plain_mode_samples_the_target_distribution(setup):
     counts, stats = _sample(target, head, prompt, speculate=False)
     assert not stats.speculate and stats.cycles == 1
     assert counts[joint == 0].sum() == 0, "a token top-k / top-p removed was emitted"
-    assert _p_value(counts, joint) > 1e-3
+    assert pair_p_value(counts, joint) > 1e-3
     assert 0.5 * (counts / ROWS - joint).abs().sum() < 2.0 * (V * V / ROWS) ** 0.5
 
 
@@ -161,6 +148,6 @@ def test_the_distribution_holds_with_a_copy_branch(setup):
     counts, stats = _sample(target, head, looped, depth=1, top_k=1, total_tokens=2, copy=3)
     assert stats.copied_tokens > 50          # rows whose accepted path went through the copy branch (~2 %)
     joint = _analytic(target, looped)
-    assert _p_value(counts, joint) > 1e-3
+    assert pair_p_value(counts, joint) > 1e-3
     assert 0.5 * (counts / ROWS - joint).abs().sum() < 2.0 * (V * V / ROWS) ** 0.5
 
