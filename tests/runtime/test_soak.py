@@ -25,7 +25,7 @@ import eagle_compile
 from eagle_compile.options import parse_options
 from eagle_compile.runtime.decoder import MAX_GRAPHED_KEYS
 from eagle_compile.runtime.footprint import footprint, growth, held_tensor_bytes
-from eagle_compile.runtime.generate import _decoder, _decoders
+from eagle_compile.runtime.generate import _decoders, decoder_for
 from eagle_compile.runtime.sampling import SamplingParams
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -126,7 +126,7 @@ def test_cuda_graphs_serve_every_value_of_a_program_key_and_keep_a_bounded_numbe
     model = tiny_target("llama", seed=13)
     head = random_head(model, flags=True, seed=14, reduced=True)
     options = {**OPTIONS, "cudagraphs": True}
-    decoder = _decoder(model, head, parse_options(options))
+    decoder = decoder_for(model, head, parse_options(options))
     decoder.graph_runtime = HostReplay()
     ids, mask = ragged([6], seed=9)
 
@@ -160,7 +160,7 @@ def test_a_step_program_serves_new_sampling_values_without_a_new_capture_and_kee
     for t, k, p in ((0.7, 20, 0.9), (1.3, 25, 0.6)):             # one program key: top-k bucket 32, top-p on
         eagle_compile.generate(model, ids, attention_mask=mask, draft=head, options=options, max_new_tokens=3,
                                do_sample=True, temperature=t, top_k=k, top_p=p)
-    decoder = _decoder(model, head, parse_options(options))
+    decoder = decoder_for(model, head, parse_options(options))
     (program,) = [s for s in decoder._steps.values() if hasattr(s, "contexts")]
     assert program.graphs_captured == 1
     assert all(ctx.step_examples is None for ctx in program.contexts)
