@@ -26,13 +26,13 @@ import torch
 from common import (
     DEFAULT_DATA_DIR,
     DEFAULT_OUT_DIR,
+    begin,
     compare_with_hf,
     environment,
     left_pad,
     markdown_table,
     mt_bench,
     print_load,
-    set_threads,
     write_json,
 )
 from gpu.base import kv_bytes
@@ -120,9 +120,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    torch.set_grad_enabled(False)
-    set_threads(args.threads)
-    load_before = print_load("before")
+    load_before = begin(args.threads)
     import eagle_compile
     from eagle_compile.heads import shipped_head
 

@@ -59,6 +59,14 @@ def set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
+def begin(threads: int | None) -> dict[str, Any]:
+    """A benchmark's first lines: no autograd, the thread count, and the machine's load before it runs (returned,
+    for the results' record)."""
+    torch.set_grad_enabled(False)
+    set_threads(threads)
+    return print_load("before")
+
+
 def git_commit() -> dict[str, Any]:
     """HEAD commit and whether the working tree differs from it (read-only git commands)."""
     def git(*args: str) -> str | None:

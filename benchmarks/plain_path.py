@@ -51,6 +51,7 @@ from common import (
     DEFAULT_DATA_DIR,
     DEFAULT_OUT_DIR,
     append_jsonl,
+    begin,
     chat_ids,
     environment,
     git_commit,
@@ -59,7 +60,6 @@ from common import (
     markdown_table,
     print_load,
     read_jsonl,
-    set_threads,
     timed,
     write_json,
 )
@@ -433,9 +433,7 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    torch.set_grad_enabled(False)
-    set_threads(args.threads)
-    load_before = print_load("before")
+    load_before = begin(args.threads)
     from eagle_compile.targets import load_default_target
 
     model, tokenizer = load_default_target(torch.float32)

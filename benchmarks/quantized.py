@@ -23,10 +23,9 @@ import torch
 from common import (
     DEFAULT_DATA_DIR,
     DEFAULT_OUT_DIR,
+    begin,
     compare_with_hf,
     mt_bench,
-    print_load,
-    set_threads,
     write_results,
 )
 
@@ -74,9 +73,7 @@ def measure(kind: str, args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    torch.set_grad_enabled(False)
-    set_threads(args.threads)
-    load_before = print_load("before")
+    load_before = begin(args.threads)
     rows = []
     for kind in args.kinds:
         row = measure(kind, args)

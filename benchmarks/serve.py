@@ -29,11 +29,11 @@ import torch
 from common import (
     DEFAULT_DATA_DIR,
     DEFAULT_OUT_DIR,
+    begin,
     environment,
     load_head,
     markdown_table,
     print_load,
-    set_threads,
     write_json,
 )
 
@@ -183,9 +183,7 @@ def plot(modes: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    torch.set_grad_enabled(False)
-    set_threads(args.threads)
-    load_before = print_load("before")
+    load_before = begin(args.threads)
     from eagle_compile.targets import load_target
 
     model, tokenizer = load_target(args.target, torch.float32)

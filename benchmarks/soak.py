@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from common import DEFAULT_OUT_DIR, environment, markdown_table, print_load, set_threads, write_json
+from common import DEFAULT_OUT_DIR, begin, environment, markdown_table, print_load, write_json
 
 MIB = 2 ** 20
 #: the tiny target's options: a fixed tree, buckets 1/2/4, prefill chunks 64 and 16
@@ -233,9 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     from eagle_compile.options import parse_options
 
     args = parse_args(argv)
-    torch.set_grad_enabled(False)
-    set_threads(args.threads)
-    load_before = print_load("before")
+    load_before = begin(args.threads)
     model, head, options = tiny_target() if args.target == "tiny" else default_target()
     if args.options:
         options = json.loads(args.options)

@@ -61,6 +61,7 @@ from common import (
     DEFAULT_DATA_DIR,
     DEFAULT_OUT_DIR,
     append_jsonl,
+    begin,
     chat_ids,
     environment,
     load_head,
@@ -68,7 +69,6 @@ from common import (
     print_load,
     read_jsonl,
     read_options,
-    set_threads,
     timed,
     write_json,
 )
@@ -428,9 +428,7 @@ def write_outputs(out: Path, records: list[dict], summary: dict, meta: dict) -> 
 # -- main --------------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    torch.set_grad_enabled(False)
-    set_threads(args.threads)
-    load_before = print_load("before")
+    load_before = begin(args.threads)
     from eagle_compile.targets import load_default_target
 
     model, tokenizer = load_default_target(getattr(torch, args.dtype))

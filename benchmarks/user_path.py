@@ -33,6 +33,7 @@ import torch
 from common import (
     DEFAULT_DATA_DIR,
     DEFAULT_OUT_DIR,
+    begin,
     compare_with_hf,
     environment,
     left_pad,
@@ -40,7 +41,6 @@ from common import (
     markdown_table,
     mt_bench,
     print_load,
-    set_threads,
     write_json,
 )
 
@@ -87,9 +87,7 @@ def package_commit(package_dir: Path) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    torch.set_grad_enabled(False)
-    set_threads(args.threads)
-    load_before = print_load("before")
+    load_before = begin(args.threads)
     import eagle_compile
     from eagle_compile.heads import shipped_head
 

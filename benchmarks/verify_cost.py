@@ -64,6 +64,7 @@ import torch
 from common import (
     DEFAULT_DATA_DIR,
     DEFAULT_OUT_DIR,
+    begin,
     chat_ids,
     environment,
     interleaved_times,
@@ -71,7 +72,6 @@ from common import (
     markdown_table,
     median_time,
     print_load,
-    set_threads,
     timed,
     write_json,
 )
@@ -477,9 +477,7 @@ def measure_costs(args) -> tuple[list[dict], dict[str, Any], Any, dict]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    torch.set_grad_enabled(False)
-    set_threads(args.threads)
-    load_before = print_load("before")
+    load_before = begin(args.threads)
     curves, models, tokenizer, ref = measure_costs(args)
     head, head_info = load_head(models["float32"], args.draft)
     print(f"draft: {head_info['note']}", flush=True)
