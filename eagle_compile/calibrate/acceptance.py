@@ -53,6 +53,15 @@ class AcceptanceEstimates:
             self.passed[f] = torch.zeros(rows, d, dtype=torch.float64)
         self._cache.clear()
 
+    def select_rows(self, index: list[int], fresh: list[bool]) -> None:
+        """Rows moved or replaced in a running batch: new row i keeps old row index[i]'s counts, or starts
+        afresh where fresh[i] (a request that joined, or padding)."""
+        idx, keep = torch.tensor(index), ~torch.tensor(fresh)[:, None]
+        for f in self.families:
+            self.reached[f] = torch.where(keep, self.reached[f][idx], 0.0)
+            self.passed[f] = torch.where(keep, self.passed[f][idx], 0.0)
+        self._cache.clear()
+
     def alpha(self, family: str) -> torch.Tensor:
         """[rows, D] conditional acceptance per depth."""
         key = ("rows", family)

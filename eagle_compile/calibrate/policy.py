@@ -86,6 +86,13 @@ class CalibrationPolicy:
         self.row_wait = torch.zeros(rows, dtype=torch.long)
         self.row_plain = torch.zeros(rows, dtype=torch.bool)
 
+    def select_rows(self, index: list[int], fresh: list[bool]) -> None:
+        """Rows moved or replaced in a running batch (as `AcceptanceEstimates.select_rows`)."""
+        idx, new = torch.tensor(index), torch.tensor(fresh)
+        self.row_backoff = torch.where(new, self.min_backoff, self.row_backoff[idx])
+        self.row_wait = torch.where(new, 0, self.row_wait[idx])
+        self.row_plain = torch.where(new, False, self.row_plain[idx])
+
     # -- the rule ---------------------------------------------------------------------------------------------
     def rates(self, costs: dict[str, float], est: AcceptanceEstimates, active: torch.Tensor,
               drafting: torch.Tensor, matched: torch.Tensor | None = None,

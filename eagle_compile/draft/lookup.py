@@ -69,6 +69,18 @@ class PromptLookup:
             row.extend(p)
             self.rows.append(row)
 
+    def replace(self, row: int, prompt: list[int]) -> None:
+        """A new request in `row` (a running batch, `runtime/session.py`): index its prompt alone."""
+        lookup = RowLookup(self.max_ngram, self.min_ngram)
+        lookup.extend(prompt)
+        self.rows[row], self._prompt[row] = lookup, len(prompt)
+
+    def select(self, index: list[int], live: list[bool]) -> None:
+        """The batch regrouped: new row i is old row index[i] where live[i], else an empty padding row."""
+        self.rows = [self.rows[i] if on else RowLookup(self.max_ngram, self.min_ngram)
+                     for i, on in zip(index, live, strict=True)]
+        self._prompt = [self._prompt[i] if on else 0 for i, on in zip(index, live, strict=True)]
+
     def proposals(self, generated: list[list[int]], active: list[bool]) -> tuple[list[list[int]], list[int]]:
         """Each row's proposal ([B][length], -1 padded; inactive rows and rows with no match: all -1) and the
         length of the n-gram it matched (0: none), after indexing the tokens each row generated since the last

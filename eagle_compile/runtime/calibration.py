@@ -77,6 +77,24 @@ class Calibration:
         self._stash.clear()
         self._context = 0
 
+    def reset_row(self, row: int) -> None:
+        """A new request in `row` of the running batch: its per-row estimates and fallback state start afresh."""
+        rows = len(self.policy.row_wait)
+        self.select_rows(list(range(rows)), [b == row for b in range(rows)], regrouped=False)
+
+    def select_rows(self, index: list[int], live: list[bool], regrouped: bool = True) -> None:
+        """The running batch's rows moved (`DecodeSession.regroup`: new row i is old row index[i] where
+        live[i], else fresh), or one was replaced (`regrouped=False`, `live` marking it). A regrouped batch may
+        sit in another bucket, so the costs are looked up again at the next cycle. The re-sync stash must be
+        empty (the session flushes it first)."""
+        if self._stash:
+            raise RuntimeError("rows changed with plain-step features still stashed; resync first")
+        fresh = [not on for on in live] if regrouped else list(live)
+        self.estimates.select_rows(index, fresh)
+        self.policy.select_rows(index, fresh)
+        if regrouped:
+            self._context = 0
+
     def key(self, batch: int, context: int) -> CostKey:
         d = self.decoder
         param = next(d.model.parameters())

@@ -39,7 +39,6 @@ from eagle_compile.core.masks import SlotMask
 from eagle_compile.core.tree import TreeShape
 from eagle_compile.core.verify import draw_uniforms
 from eagle_compile.draft.drafter import Drafter
-from eagle_compile.draft.drift import DriftTotals
 from eagle_compile.draft.lookup import PromptLookup
 from eagle_compile.errors import UnsupportedGenerationError
 from eagle_compile.lowering import lowering_for
@@ -52,6 +51,7 @@ from eagle_compile.runtime.logits_processors import TokenHistory, process_next
 from eagle_compile.runtime.plain_step import PlainStep
 from eagle_compile.runtime.prefill_plan import prefill_plan
 from eagle_compile.runtime.sampling import SamplingParams, SamplingValues, target_probs
+from eagle_compile.runtime.session import DecodeSession
 from eagle_compile.runtime.stats import GenerationStats
 from eagle_compile.runtime.step import (
     CycleRead,
@@ -192,65 +192,16 @@ class SpeculativeDecoder:
                  generator: torch.Generator | None = None,
                  inputs: tuple[torch.Tensor, torch.Tensor] | None = None) -> GenerationStats:
         """`inputs`: the caller's padded `input_ids` and `attention_mask` [R, L], the rows HF's logits processors
-        read (needed when `sampling.processors` is set)."""
-        stats = GenerationStats(tree=self.tree_stats(), lowering=self.lowering.describe(),
-                                speculate=self.speculate)
-        real = len(prompts)
-        batch = self._bucket(real)
-        prompts = prompts + [prompts[0][:1]] * (batch - real)
-        active = torch.tensor([not f for f in stopper.finished] + [False] * (batch - real))
-        longest = max(len(p) for p in prompts)
-        self.window.check(longest, stopper.max_new_tokens, self._reach(longest, stopper.max_new_tokens))
-        history = self._history(sampling, inputs, batch, longest, stopper.max_new_tokens)
-        slots = self._slots(prompts, stopper.max_new_tokens)
-        device = prompts[0].device
-        graphed = self._graphed(sampling, device, stats)
-        buffers = self._buffers(batch, slots, device) if graphed else None
-        cache, draft_kv = (buffers.cache, buffers.draft_kv) if graphed else self._caches(batch, slots, device)
+        read (needed when `sampling.processors` is set). A `DecodeSession` run to the end."""
+        session = self.session(prompts, stopper, sampling, generator, inputs)
+        while session.running:
+            session.cycle()
+        return session.finish()
 
-        self.drift = DriftTotals() if self.options.drift_monitors and self.speculate else None
-        if self.calibration is not None:
-            self.calibration.drift = self.drift
-        timings_before = dict(self.timings)
-        replays_before = graphed.replays if graphed else 0
-        t0 = time.perf_counter()
-        state = self._prefill(prompts, cache, draft_kv, sampling, generator, stopper, active, stats, history)
-        stats.prefill_time = time.perf_counter() - t0
-        if graphed:
-            state = buffers.hold(state)
-        active &= torch.tensor([not f for f in stopper.finished] + [False] * (batch - real))
-        if self.lookup is not None:
-            self.lookup.begin([p.tolist() for p in prompts])
-            state.copy = torch.full((batch, self.lookup.length), -1, dtype=torch.long, device=device)
-        if self.calibration is not None:
-            measured_before = self.calibration.measured_seconds
-            self.calibration.begin(batch)
-            state.drafting = torch.ones_like(state.active)
-            state.floor = torch.full(state.n.shape, -math.inf, device=device)
-            lengths = [len(p) for p in prompts]
-        while bool(active.any()):
-            if self.calibration is not None:
-                self._calibrated_cycle(state, cache, draft_kv, sampling, generator, stopper, active, stats, lengths)
-            else:
-                self._cycle(state, cache, draft_kv, sampling, generator, stopper, active, stats, buffers)
-        if self.calibration is not None:
-            stats.calibration = self.calibration.summary()
-            stats.calibration_time = self.calibration.measured_seconds - measured_before
-        if graphed:
-            stats.cuda_graph_replays = graphed.replays - replays_before
-        if self.drift is not None:
-            stats.drift = self.drift.read()
-        if stats.errors:
-            self._report_errors(stats, buffers)
-        stats.new_tokens = sum(len(g) for g in stopper.generated)
-        reached = max(len(p) + len(g) for p, g in zip(prompts, stopper.generated, strict=False))
-        for kind, note in self.window.notes(reached, drafted=self.speculate).items():
-            self._note(stats, kind, note)
-        for phase, seconds in self.timings.items():
-            setattr(stats, f"{phase}_time", seconds - timings_before.get(phase, 0.0))
-        stats.graphs_captured = self.graphs_captured
-        stats.compile_time = self.lowering.compile_seconds
-        return stats
+    def session(self, prompts: list[torch.Tensor], stopper: StopChecker, sampling: SamplingParams,
+                generator: torch.Generator | None = None, inputs=None, **kwargs) -> DecodeSession:
+        """A batch in flight, prefilled: cycle it, join rows into it, regroup it (`runtime/session.py`)."""
+        return DecodeSession(self, prompts, stopper, sampling, generator, inputs, **kwargs)
 
     def tree_stats(self) -> dict:
         """The tree (or menu) this decoder runs and where it came from: `GenerationStats.tree`."""
@@ -322,6 +273,10 @@ class SpeculativeDecoder:
             self._bucket_buffers[key] = BucketBuffers(None, cache, draft_kv, uniforms, final)
         return self._bucket_buffers[key]
 
+    def bucket_for(self, rows: int) -> int:
+        """The smallest batch bucket that holds `rows` rows."""
+        return self._bucket(rows)
+
     def _bucket(self, rows: int) -> int:
         for b in self.options.batch_buckets:
             if b >= rows:
@@ -333,11 +288,15 @@ class SpeculativeDecoder:
         """One past the largest position any forward of a call may use, over every program it may run."""
         return max(positions_reached(longest, max_new, shape if self.speculate else None) for shape in self.shapes)
 
+    def slots_needed(self, longest: int, max_new: int, rows: int) -> int:
+        """Cache slots (sentinel included, before rounding) for prompts of up to `longest` tokens in a batch of
+        `rows`, over every program the decoder may run."""
+        return max(cache_slots_needed(longest, max_new, self.options.prefill_chunk,
+                                      shape if self.speculate else None, rows=rows) for shape in self.shapes)
+
     def _slots(self, prompts: list[torch.Tensor], max_new: int) -> int:
         """Static cache slots (target and draft caches alike), sentinel included."""
-        need = max(cache_slots_needed(max(len(p) for p in prompts), max_new, self.options.prefill_chunk,
-                                      shape if self.speculate else None, rows=len(prompts))
-                   for shape in self.shapes)
+        need = self.slots_needed(max(len(p) for p in prompts), max_new, len(prompts))
         if self.options.max_cache_len is not None:
             if self.options.max_cache_len < need:
                 raise ValueError(f"max_cache_len={self.options.max_cache_len} is too small for a prompt of "

@@ -36,6 +36,8 @@ class StopChecker:
         self.criteria = list(criteria)
         self.generated: list[list[int]] = [[] for _ in prompts]
         self.finished = [max_new_tokens <= 0 for _ in prompts]
+        self.retired_tokens = 0         # tokens of rows whose request left (`replace`, `select`)
+        self.retired_longest = 0        # the longest of those rows, prompt included
 
     def extend(self, row: int, block: Sequence[int]) -> bool:
         """Append `block` to `row` up to and including its first stopping token; return True if the row stopped."""
@@ -58,6 +60,33 @@ class StopChecker:
         prompt = self.prompts[row]
         seq = torch.cat([prompt, torch.tensor(self.generated[row], dtype=prompt.dtype, device=prompt.device)])[None]
         return any(bool(torch.as_tensor(c(seq, None)).reshape(-1)[0]) for c in self.criteria)
+
+    # -- a running batch's rows change (runtime/session.py) -------------------------------------------------------
+    def row_max_new(self, row: int) -> int:
+        """The most new tokens `row` may produce (its own budget where rows differ: serve/stops.py)."""
+        return self.max_new_tokens
+
+    def replace(self, row: int, prompt: torch.Tensor) -> None:
+        """A new request takes `row`: an empty, unfinished row of `prompt`."""
+        if self.streamer is not None:
+            raise ValueError("a streamed call has one row; nothing joins it")
+        self._retire(row)
+        self.prompts[row] = prompt
+        self.generated[row] = []
+        self.finished[row] = self.row_max_new(row) <= 0
+
+    def select(self, index: Sequence[int], live: Sequence[bool]) -> None:
+        """The rows regrouped: new row i is old row index[i] where live[i], else a finished padding row."""
+        pad = self.prompts[0][:1]
+        for row in set(range(len(self.prompts))) - {i for i, on in zip(index, live, strict=True) if on}:
+            self._retire(row)
+        self.prompts = [self.prompts[i] if on else pad for i, on in zip(index, live, strict=True)]
+        self.generated = [self.generated[i] if on else [] for i, on in zip(index, live, strict=True)]
+        self.finished = [self.finished[i] if on else True for i, on in zip(index, live, strict=True)]
+
+    def _retire(self, row: int) -> None:
+        self.retired_tokens += len(self.generated[row])
+        self.retired_longest = max(self.retired_longest, len(self.prompts[row]) + len(self.generated[row]))
 
     @property
     def all_finished(self) -> bool:

@@ -21,6 +21,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the target's name)")
     p.add_argument("--max-rows", type=int, default=None, help="most requests per batch (default: largest bucket)")
+    p.add_argument("--join-tokens", type=int, default=1024,
+                   help="cache room per row for requests that join a running batch: prompt + max_tokens up to this "
+                        "joins; a longer request waits for the next batch (default 1024)")
 
 
 def run_serve(args) -> int:
@@ -43,7 +46,8 @@ def run_serve(args) -> int:
         print(f"draft: {note}")
     name = args.model_name or (Path(args.target).name if args.target else "SmolLM2-135M-Instruct")
     with torch.no_grad():
-        engine = Engine(model, tokenizer, draft, options, model_name=name, max_rows=args.max_rows)
+        engine = Engine(model, tokenizer, draft, options, model_name=name, max_rows=args.max_rows,
+                        join_tokens=args.join_tokens)
     print(f"serving {name!r} on http://{args.host}:{args.port}/v1 ({engine.describe()['batching']})")
     serve(engine, args.host, args.port)
     return 0

@@ -2,17 +2,19 @@
 
 What the batching does, exactly:
 
-* **Join: between batches.** Requests that arrive while a batch decodes wait; when it ends, the scheduler forms
-  the next batch from every waiting request of the oldest one's sampling setting (up to the largest bucket),
-  and the decoder pads it to the smallest batch bucket that holds it, so the bucket grows and shrinks with the
-  load from one batch to the next. A request does NOT join a batch that is already decoding: that needs a
-  one-row prefill into a free row of a running bucket's caches (today's prefill runs over every row of a
-  bucket at once, sizes the caches from the batch's longest prompt and max_tokens, and the calibration layer's
-  per-row state and re-sync stash assume rows that were active since the prefill).
+* **Join: between cycles (continuous batching).** The first waiting request picks a sampling setting and
+  starts a batch with every waiting request of that setting, in the smallest batch bucket that holds them.
+  After each cycle, waiting requests of the same setting join it: each takes a free row (one whose request
+  ended, or padding) and is prefilled into that row alone (`DecodeSession.join`); if more wait than rows are
+  free, the batch moves to a larger bucket first, and when at most half the bucket is running and nobody
+  waits it moves to the smallest bucket that holds its rows (`DecodeSession.regroup`: caches and per-row
+  state follow the rows). The caches of a batch hold at least `join_tokens` tokens per row (prompt + max_tokens),
+  so requests up to that size can join; a longer one, or one of another sampling setting, or one with a
+  `seed` (decoded alone), waits for the batch to end. `cudagraphs=True` batches do not take joins.
 * **Leave: between cycles.** A row ends at its own stops (max_tokens, EOS, stop_token_ids, stop strings, checked
   token by token in `RowStops`) or when its client disconnects, at the end of the cycle in which that happens:
   its response goes out at once, and from the next cycle the decoder writes nothing for it (an inactive row
-  writes only the sentinel slot; its row of the bucket is padding until the batch ends).
+  writes only the sentinel slot) until a joining request takes the row.
 * **Speculation fitted to the load.** The decoder runs with `calibrate="on"` unless the options say otherwise:
   for each batch bucket and context bucket it measures (or reads from its cost cache) what every program of
   the menu costs, and each cycle runs the one with the most expected tokens per second for the rows it has.
@@ -36,7 +38,7 @@ from eagle_compile.runtime.generate import decoder_for
 from eagle_compile.serve.metrics import ServeMetrics
 from eagle_compile.serve.protocol import GenerationRequest, RequestError
 from eagle_compile.serve.row import Event, Row
-from eagle_compile.serve.scheduler import Scheduler
+from eagle_compile.serve.scheduler import Scheduler, group_key
 from eagle_compile.serve.stops import RowStops
 
 log = logging.getLogger(__name__)
@@ -44,7 +46,7 @@ log = logging.getLogger(__name__)
 
 class Engine:
     def __init__(self, model, tokenizer, draft, options: dict | None = None, *, model_name: str,
-                 max_rows: int | None = None) -> None:
+                 max_rows: int | None = None, join_tokens: int = 1024) -> None:
         options = dict(options or {})
         options.setdefault("calibrate", "on")            # the server speculates as much as its load pays for
         self.options = parse_options(options)
@@ -59,6 +61,8 @@ class Engine:
         self.metrics = ServeMetrics()
         self.scheduler = Scheduler(self.max_rows)
         self.running: list[Row] = []
+        self.join_tokens = join_tokens
+        self.joins = self.regroups = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="eagle31-engine", daemon=True)
         self.batches = 0
@@ -118,39 +122,89 @@ class Engine:
                 self._decode(rows)
 
     def _decode(self, rows: list[Row]) -> None:
-        """Decode one batch until each of its rows has stopped or been aborted."""
-        now = time.perf_counter()
-        for row in rows:
-            row.started, row.batch_rows = now, len(rows)
-        self.running = rows
-        self.metrics.running.set(len(rows))
-        stops = RowStops(rows)
-        prompts = [torch.tensor(r.prompt_ids, dtype=torch.long, device=self._device) for r in rows]
+        """Decode one batch until none of its rows runs and no waiting request can join it."""
+        bucket = self.decoder.bucket_for(len(rows))
+        stops = RowStops(rows + [None] * (bucket - len(rows)))
+        self._start(rows, len(rows))
+        self.metrics.batch_started(len(rows))
+        pad = torch.tensor(rows[0].prompt_ids[:1], dtype=torch.long, device=self._device)
+        prompts = [torch.tensor(r.prompt_ids, dtype=torch.long, device=self._device) if r is not None else pad
+                   for r in stops.rows]
         request = rows[0].request
         generator = None
         if request.seed is not None and request.sampling.do_sample:
             generator = torch.Generator(self._device).manual_seed(request.seed)
+        key = group_key(rows[0])
+        session = None
         try:
-            stats = self.decoder.generate(prompts, stops, request.sampling, generator)
+            room = self.decoder.slots_needed(self.join_tokens, 0, bucket)
+            session = self.decoder.session(prompts, stops, request.sampling, generator, min_slots=room)
+            while True:
+                self._release(session, stops)
+                if session.joinable is None and not self._stop.is_set():
+                    self._admit(session, stops, key)
+                if not session.running:
+                    break
+                session.cycle()
         except Exception as error:      # noqa: BLE001 -- the batch fails and says why; the server keeps serving
             log.error("batch of %d rows failed: %s", len(rows), traceback.format_exc())
-            for row in rows:
-                if row.finish_reason is None:
+            for row in stops.rows:
+                if row is not None and row.finish_reason is None:
                     row.fail(f"decoding failed: {error}")
+                    self.metrics.requests.labels(row.request.kind, "error").inc()
         else:
-            self.metrics.batch(len(rows), stats)
-            for b, row in enumerate(rows):
-                if row.finish_reason is None:        # a row the decoder ended without a stop (NaN logits)
-                    row.fail(stats.errors.get(b, "the decoder ended the row without a stop"))
+            self.metrics.batch(session.finish())
         finally:
             self.running = []
             self.metrics.running.set(0)
             self.batches += 1
+
+    def _start(self, rows: list[Row], batch_rows: int) -> None:
+        now = time.perf_counter()
         for row in rows:
+            row.started, row.batch_rows = now, batch_rows
+
+    def _release(self, session, stops: RowStops) -> None:
+        """Rows whose request ended in the last cycle (a stop, an abort, NaN logits) become free."""
+        for b, row in enumerate(stops.rows):
+            if row is None or bool(session.active[b]):
+                continue
+            if row.finish_reason is None:        # the decoder ended the row without a stop (NaN logits)
+                row.fail(session.stats.errors.pop(b, "the decoder ended the row without a stop"))
             if row.finish_reason not in ("abort", "error"):
                 self.metrics.finished(row)
             else:
                 self.metrics.requests.labels(row.request.kind, row.finish_reason).inc()
+            stops.release(b)
+        self.running = [r for r in stops.rows if r is not None]
+        self.metrics.running.set(len(self.running))
+
+    def _admit(self, session, stops: RowStops, key: tuple) -> None:
+        """Waiting requests of this batch's setting join it (a larger bucket first if they need one); with
+        nobody joining, a batch that runs in at most half its bucket moves to a smaller one."""
+        running = len(self.running)
+        joining = self.scheduler.take(key, self.max_rows - running,
+                                      lambda r: session.fits(len(r.prompt_ids), r.request.max_tokens))
+        self.metrics.waiting.set(self.scheduler.waiting)
+        want = self.decoder.bucket_for(max(running + len(joining), 1))
+        grow = bool(joining) and want > session.batch
+        shrink = not joining and session.running and want <= session.batch // 2
+        if grow or shrink:
+            order = [b for b in range(session.batch) if bool(session.active[b])]
+            session.regroup(order, want)
+            self.regroups += 1
+            self.metrics.regroups.inc()
+        if not joining:
+            return
+        free = session.free_rows()[:len(joining)]
+        for b, row in zip(free, joining, strict=True):
+            stops.put(b, row)
+        self._start(joining, running + len(joining))
+        session.join(free, [torch.tensor(r.prompt_ids, dtype=torch.long, device=self._device) for r in joining])
+        self.joins += len(joining)
+        self.metrics.joins.inc(len(joining))
+        self.running = [r for r in stops.rows if r is not None]
+        self.metrics.running.set(len(self.running))
 
     @property
     def _device(self) -> torch.device:
@@ -161,7 +215,8 @@ class Engine:
         return {"model": self.model_name, "speculate": d.speculate, "tree": d.tree_stats(),
                 "lowering": d.lowering.describe(), "calibrate": self.options.calibrate,
                 "batch_buckets": list(self.options.batch_buckets), "max_rows": self.max_rows,
-                "batching": "join between batches, leave between cycles", "eos_token_ids": sorted(self.eos)}
+                "batching": f"join and leave between cycles (up to {self.join_tokens} tokens "
+                                                                  "per joining row)", "eos_token_ids": sorted(self.eos)}
 
 
 def _eos_ids(model, tokenizer) -> set[int]:

@@ -35,8 +35,10 @@ class ServeMetrics:
         self.tau = Histogram("eagle31_request_tau", "Per request: tokens per speculative cycle",
                              buckets=(1, 1.25, 1.5, 1.75, 2, 2.5, 3, 4, 5, 6, 8), registry=r)
         self.batches = Counter("eagle31_batches", "Batches decoded", registry=r)
-        self.batch_rows = Histogram("eagle31_batch_rows", "Requests per batch", buckets=(1, 2, 4, 8, 16, 32, 64),
-                                    registry=r)
+        self.batch_rows = Histogram("eagle31_batch_rows", "Requests a batch started with",
+                                    buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
+        self.joins = Counter("eagle31_joins", "Requests that joined a running batch", registry=r)
+        self.regroups = Counter("eagle31_regroups", "Running batches moved to another batch bucket", registry=r)
         self.cycles = Counter("eagle31_cycles", "Decoding cycles (all batches)", registry=r)
         self.program_cycles = Counter("eagle31_cycles_by_program", "Cycles per program the calibration chose",
                                       ["program"], registry=r)
@@ -56,9 +58,12 @@ class ServeMetrics:
         if usage["tau"] is not None:
             self.tau.observe(usage["tau"])
 
-    def batch(self, rows: int, stats: GenerationStats) -> None:
+    def batch_started(self, rows: int) -> None:
         self.batches.inc()
         self.batch_rows.observe(rows)
+
+    def batch(self, stats: GenerationStats) -> None:
+        """A batch ended: its cycles and what the calibration chose for them."""
         self.cycles.inc(stats.cycles)
         self.calibration_seconds.inc(stats.calibration_time)
         chosen = (stats.calibration or {}).get("policy", {}).get("chosen")

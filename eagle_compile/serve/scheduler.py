@@ -1,8 +1,10 @@
-"""Which waiting requests decode together: the next batch, grouped by sampling setting.
+"""Which waiting requests decode together: the next batch, grouped by sampling setting, and who joins a running one.
 
 A step program is built for one `SamplingParams` (the warpers are static in the captured graph), so a batch
 holds requests of one setting: the oldest waiting request picks the setting and the batch takes, in arrival
-order, every waiting request of that setting up to `max_rows` (the largest batch bucket). A request with a
+order, every waiting request of that setting up to `max_rows` (the largest batch bucket). While it runs,
+`take` hands it, between cycles, the waiting requests of its setting that fit its caches (continuous
+batching: `serve/engine.py`); requests of other settings wait for the batch to end. A request with a
 `seed` decodes in a batch of its own with its own generator, so its tokens depend on nothing but its seed
 and prompt (in a shared batch the uniforms drawn would depend on its neighbours). Greedy requests all share
 one setting. Aborted requests still waiting are dropped here and never reach the decoder.
@@ -43,13 +45,30 @@ class Scheduler:
             self._closed = True
             self._cond.notify_all()
 
+    def _drop_aborted(self) -> None:
+        for row in [r for r in self._waiting if r.aborted]:
+            self._waiting.remove(row)
+            row.finish("abort")
+
+    def take(self, key: tuple, limit: int, fits) -> list[Row]:
+        """Up to `limit` waiting requests of group `key`, in arrival order, for which `fits(row)` holds (rows
+        joining a running batch); the others keep their place."""
+        with self._cond:
+            self._drop_aborted()
+            taken = []
+            for row in list(self._waiting):
+                if len(taken) >= limit:
+                    break
+                if group_key(row) == key and fits(row):
+                    self._waiting.remove(row)
+                    taken.append(row)
+            return taken
+
     def next_batch(self, timeout: float) -> list[Row]:
         """The next batch (oldest request's setting, arrival order); empty after `timeout` seconds or on close."""
         with self._cond:
             self._cond.wait_for(lambda: self._waiting or self._closed, timeout=timeout)
-            for row in [r for r in self._waiting if r.aborted]:
-                self._waiting.remove(row)
-                row.finish("abort")
+            self._drop_aborted()
             if not self._waiting or self._closed:
                 return []
             key = group_key(self._waiting[0])

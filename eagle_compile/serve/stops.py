@@ -19,11 +19,35 @@ from eagle_compile.serve.row import Row
 
 
 class RowStops(StopChecker):
-    def __init__(self, rows: Sequence[Row]) -> None:
-        super().__init__([torch.tensor(r.prompt_ids, dtype=torch.long) for r in rows],
-                         max_new_tokens=max(r.request.max_tokens for r in rows), eos_token_ids=())
+    """`rows`: the batch's requests, one per row of its bucket (None: a free row, finished)."""
+
+    def __init__(self, rows: Sequence[Row | None]) -> None:
+        live = [r for r in rows if r is not None]
+        pad = torch.tensor(live[0].prompt_ids[:1], dtype=torch.long)
+        super().__init__([pad if r is None else torch.tensor(r.prompt_ids, dtype=torch.long) for r in rows],
+                         max_new_tokens=max(r.request.max_tokens for r in live), eos_token_ids=())
         self.rows = list(rows)
         self._reason: list[str | None] = [None] * len(rows)
+        self.finished = [r is None for r in rows]
+
+    def row_max_new(self, row: int) -> int:
+        r = self.rows[row]
+        return 0 if r is None else r.request.max_tokens
+
+    def put(self, row: int, request: Row) -> None:
+        """`request` joins the batch in the free `row` (its prefill follows: `DecodeSession.join`)."""
+        self.rows[row], self._reason[row] = request, None
+        self.replace(row, torch.tensor(request.prompt_ids, dtype=torch.long))
+
+    def release(self, row: int) -> None:
+        """The row's request has left: the row is free."""
+        self.rows[row], self._reason[row] = None, None
+        self.finished[row] = True
+
+    def select(self, index: Sequence[int], live: Sequence[bool]) -> None:
+        super().select(index, live)
+        self.rows = [self.rows[i] if on else None for i, on in zip(index, live, strict=True)]
+        self._reason = [self._reason[i] if on else None for i, on in zip(index, live, strict=True)]
 
     def extend(self, row: int, block: Sequence[int]) -> bool:
         r = self.rows[row]

@@ -16,7 +16,7 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 openai = pytest.importorskip("openai")
-httpx = pytest.importorskip("httpx")
+httpx = pytest.importorskip("httpx2")        # what openai==3.51.0 ships with
 
 from tiny import save_random_head, save_tiny_folder, tiny_tokenizer  # noqa: E402
 
