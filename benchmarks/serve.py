@@ -129,7 +129,11 @@ def warm_up(engine, texts: list[str], largest: int, max_tokens: int) -> list[int
         for rows in (ids[:b], ids[-b:]):
             prompts = [torch.tensor(rows[i % len(rows)], dtype=torch.long) for i in range(b)]
             stops = StopChecker(prompts, max_new_tokens=max_tokens, eos_token_ids=engine.eos)
-            engine.decoder.generate(prompts, stops, SamplingParams(do_sample=False))
+            session = engine.decoder.session(prompts, stops, SamplingParams(do_sample=False),
+                                             min_slots=engine.cache_room(b))     # the server's cache size
+            while session.running:
+                session.cycle()
+            session.finish()
     return buckets
 
 

@@ -137,8 +137,8 @@ class Engine:
         key = group_key(rows[0])
         session = None
         try:
-            room = self.decoder.slots_needed(self.join_tokens, 0, bucket)
-            session = self.decoder.session(prompts, stops, request.sampling, generator, min_slots=room)
+            session = self.decoder.session(prompts, stops, request.sampling, generator,
+                                           min_slots=self.cache_room(bucket))
             while True:
                 self._release(session, stops)
                 if session.joinable is None and not self._stop.is_set():
@@ -158,6 +158,10 @@ class Engine:
             self.running = []
             self.metrics.running.set(0)
             self.batches += 1
+
+    def cache_room(self, bucket: int) -> int:
+        """Cache slots a batch of this bucket allocates at least: `join_tokens` per row, for requests joining."""
+        return self.decoder.slots_needed(self.join_tokens, 0, bucket)
 
     def _start(self, rows: list[Row], batch_rows: int) -> None:
         now = time.perf_counter()
