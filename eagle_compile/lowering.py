@@ -103,7 +103,9 @@ class Lowering:
 
     @contextlib.contextmanager
     def tracing(self, kind: str = "step") -> Iterator[None]:
-        """Scope for a call of the compiled program: with freezing, dynamo traces parameters as attributes."""
+        """Scope for a call of the compiled program: dynamo's recompile cap raised (`allow_many_programs`), and
+        with freezing, dynamo traces parameters as attributes."""
+        allow_many_programs()
         if not self.freezing or kind == "prefill":
             yield
             return
@@ -296,6 +298,8 @@ def resolve_numerics(numerics: str, device: torch.device | str, dtype: torch.dty
 #: method, so the cap counts the graphs of all decoders in a process together (each has its own cache through
 #: `isolate_recompiles`, and its own per-instance `recompile_limit`); with the calibration menu a decoder holds
 #: several program sizes per bucket, and a process with many decoders (a test session) reaches the default 256.
+#: torch 2.13 keeps a config override per thread (a ContextVar), so the cap is raised in the scope of every call
+#: (`Lowering.tracing`), in the thread that may compile: a serving worker thread starts with dynamo's defaults.
 ACCUMULATED_RECOMPILE_LIMIT = 1 << 14
 
 

@@ -41,3 +41,36 @@ def test_numerics_resolve_per_device_dtype_and_backend():
         lowering_for("auto", None, "cpu", torch.bfloat16, "batch_invariant")
     with pytest.raises(OptionsError, match="valid values"):
         lowering_for("auto", None, "cpu", torch.float32, "fast")
+
+
+def test_a_worker_thread_decodes_with_the_raised_recompile_cap():
+    """torch 2.13 keeps config overrides per thread: a thread starts with dynamo's defaults, whatever the main
+    thread set. A decoder called from a serving thread must raise the cap in that thread, or a process past 256
+    programs (a test session, a server with many buckets) refuses to compile (found: the server tests in a full
+    test run)."""
+    import threading
+
+    from tiny import ScriptedDrafter, greedy_reference, tiny_target
+
+    from eagle_compile.lowering import ACCUMULATED_RECOMPILE_LIMIT, allow_many_programs
+
+    allow_many_programs()
+    assert dynamo_config.accumulated_recompile_limit >= ACCUMULATED_RECOMPILE_LIMIT
+    model = tiny_target("llama", seed=1)
+    ids = torch.tensor([[3, 9, 4, 7]])
+    ref = greedy_reference(model, ids, max_new_tokens=6)
+    seen: dict = {}
+
+    def work():
+        seen["before"] = dynamo_config.accumulated_recompile_limit
+        compiled = torch.compile(model, backend="eagle31",
+                                 options={"chain": 2, "draft": ScriptedDrafter([ref[0].tolist()], 96, "oracle")})
+        seen["out"] = compiled.generate(ids, max_new_tokens=6)
+        seen["after"] = dynamo_config.accumulated_recompile_limit
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert seen["before"] < ACCUMULATED_RECOMPILE_LIMIT, "negative control: a new thread sees the default cap"
+    assert seen["after"] >= ACCUMULATED_RECOMPILE_LIMIT, "the decoder's calls did not raise the cap in its thread"
+    assert torch.equal(seen["out"], ref)

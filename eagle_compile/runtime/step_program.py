@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from eagle_compile.lowering import Lowering, allow_many_programs, eager_lowering
+from eagle_compile.lowering import Lowering, eager_lowering
 from eagle_compile.passes import STEP_PASSES, PassContext, run_passes
 from eagle_compile.runtime.step import SpeculativeStep, StepState
 
@@ -54,7 +54,6 @@ class StepProgram:
         self.kernels = kernels
         self.contexts: list[PassContext] = []
         self._args: tuple | None = None
-        allow_many_programs()
         self._compiled = torch.compile(step.__call__, backend=self._backend, fullgraph=True, dynamic=False,
                                        recompile_limit=recompile_limit, isolate_recompiles=True)
 

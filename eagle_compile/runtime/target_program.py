@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from eagle_compile.core.masks import SlotMask
-from eagle_compile.lowering import Lowering, allow_many_programs, eager_lowering
+from eagle_compile.lowering import Lowering, eager_lowering
 from eagle_compile.passes import PassContext, run_passes
 from eagle_compile.runtime.kv_cache import SlotKVCache
 
@@ -41,7 +41,6 @@ class TargetProgram:
         self.contexts: list[PassContext] = []
         self._last_taps: tuple[torch.Tensor, ...] | None = None
         self._kind = "step"                # "prefill" for calls with `keep` (read if the call (re)captures)
-        allow_many_programs()
         self._compiled = torch.compile(self._forward, backend=self._backend, fullgraph=True, dynamic=False,
                                        recompile_limit=recompile_limit, isolate_recompiles=True)
 
