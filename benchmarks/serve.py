@@ -12,7 +12,9 @@ batch of that many rows through the server's own decoder.
 
 Reported per mode and client count: output tokens/s over the wall time, requests/s, time to first token (TTFT:
 request sent to first streamed text) and time per output token after it (TPOT) at p50/p90/p99, the mean tau the
-server reported in `usage`, and the batch sizes it formed. Outputs in --out: serve.json, serve.md, serve.png.
+server reported in `usage`, the batch sizes its requests saw, how many requests joined a running batch, and the
+share of cycles each program ran (what the calibration layer chose for that load). Outputs in --out: serve.json,
+serve.md, serve.png.
 """
 
 from __future__ import annotations
@@ -150,12 +152,27 @@ def measure_mode(mode: str, model, tokenizer, head, texts: list[str], args) -> d
     with BackgroundServer(engine) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=3600)
         for clients in args.clients:
+            before, joins = program_cycles(engine), engine.joins
             level = run_level(client, "bench", texts, clients, args.requests, args.max_tokens)
+            after = program_cycles(engine)
+            level["programs"] = {k: after[k] - before.get(k, 0) for k in after if after[k] > before.get(k, 0)}
+            level["joins"] = engine.joins - joins
             levels.append({"mode": mode, **level})
             print(f"  {mode:11s} {clients:3d} clients: {level['tok_s']:.1f} tok/s, TTFT p50 "
                   f"{level['ttft']['p50']:.3f} s, TPOT p50 {_fmt(level['tpot']['p50'])} s, tau {_fmt(level['tau'])}, "
                   f"batches of {level['batch_rows']}", flush=True)
     return {"mode": mode, "warmed_buckets": buckets, "levels": levels, "engine": engine.describe()}
+
+
+def program_cycles(engine) -> dict[str, float]:
+    """Cycles per program the calibration layer chose so far (the server's eagle31_cycles_by_program)."""
+    family = [m for m in engine.metrics.registry.collect() if m.name == "eagle31_cycles_by_program"]
+    return {x.labels["program"]: x.value for m in family for x in m.samples if x.name.endswith("_total")}
+
+
+def _programs(level: dict) -> str:
+    total = sum(level["programs"].values()) or 1
+    return ", ".join(f"{k} {v / total:.0%}" for k, v in sorted(level["programs"].items(), key=lambda kv: -kv[1]))
 
 
 def _fmt(x) -> str:
@@ -204,13 +221,14 @@ def main(argv: list[str] | None = None) -> int:
     env = result["environment"]
     rows = [[lv["mode"], lv["clients"], lv["requests"], f"{lv['tok_s']:.1f}", f"{lv['req_s']:.2f}",
              *(_fmt(lv["ttft"][p]) for p in PERCENTILES), *(_fmt(lv["tpot"][p]) for p in PERCENTILES),
-             _fmt(lv["tau"]), lv["batch_rows"]] for m in modes for lv in m["levels"]]
+             _fmt(lv["tau"]), lv["batch_rows"], lv["joins"], _programs(lv)] for m in modes for lv in m["levels"]]
     text = "\n".join([
         f"eagle31 serve, {args.max_tokens} max tokens, {args.requests} requests per client ({source}): torch "
         f"{env['torch']}, {result['threads']} threads, load {load_before['loadavg_1m']} / "
         f"{result['load_after']['loadavg_1m']}; `{env['command']}`", "",
         markdown_table(["mode", "clients", "requests", "tok/s", "req/s", "TTFT p50 s", "TTFT p90 s", "TTFT p99 s",
-                        "TPOT p50 s", "TPOT p90 s", "TPOT p99 s", "tau", "batch rows"], rows)])
+                        "TPOT p50 s", "TPOT p90 s", "TPOT p99 s", "tau", "batch rows", "joins",
+                        "cycles by program"], rows)])
     (args.out / "serve.md").write_text(text + "\n")
     print("\n" + text, flush=True)
     return 0
