@@ -50,8 +50,14 @@ from eagle_compile.runtime.kv_cache import SlotKVCache
 from eagle_compile.runtime.logits_processors import TokenHistory, process_next
 from eagle_compile.runtime.plain_step import PlainStep
 from eagle_compile.runtime.prefill_plan import prefill_plan
-from eagle_compile.runtime.sampling import SamplingParams, SamplingValues, target_probs
-from eagle_compile.runtime.session import DecodeSession
+from eagle_compile.runtime.sampling import (
+    BatchSampling,
+    RowSamplingValues,
+    SamplingParams,
+    SamplingValues,
+    target_probs,
+)
+from eagle_compile.runtime.session import DecodeSession, RowSettings
 from eagle_compile.runtime.stats import GenerationStats
 from eagle_compile.runtime.step import (
     CycleRead,
@@ -113,30 +119,33 @@ class SpeculativeDecoder:
         head_config = getattr(getattr(drafter, "model", None), "config", None) if self.speculate else None
         self.window = ContextWindow.of(model, head_config, step_program=options.step_program)
 
-    def _step(self, sampling: SamplingParams) -> SpeculativeStep | StepProgram | PlainStep:
+    def _step(self, sampling: SamplingParams | BatchSampling) -> SpeculativeStep | StepProgram | PlainStep:
         return self._keyed_step(sampling, None, self.shape if self.speculate else None)
 
-    def step_for(self, sampling: SamplingParams, entry: MenuEntry) -> SpeculativeStep | StepProgram | PlainStep:
+    def step_for(self, sampling: SamplingParams | BatchSampling, entry: MenuEntry
+                 ) -> SpeculativeStep | StepProgram | PlainStep:
         """The program of one menu entry (calibration), built on first use."""
         return self._keyed_step(sampling, entry.name, entry.shape, keep_features=True)
 
-    def _keyed_step(self, sampling: SamplingParams, name: str | None, shape: TreeShape | None,
+    def _keyed_step(self, sampling: SamplingParams | BatchSampling, name: str | None, shape: TreeShape | None,
                     keep_features: bool = False) -> SpeculativeStep | StepProgram | PlainStep:
         """The step of one tree shape (`name`: a menu entry) for the call's sampling. Steps are kept per
         `SamplingParams.program_key` (greedy or sampling, the top-k bucket, top-p on or off), built from its
         `structure()`, and read the call's temperature / top_k / top_p from their `SamplingValues`, loaded here:
-        a server with varied settings captures a bounded set of programs, not one per setting."""
+        a server with varied settings captures a bounded set of programs, not one per setting. A batch whose rows
+        differ (`BatchSampling`) has programs of its own, which read one number per row (`RowSamplingValues`)."""
         key = (sampling.program_key, name)
         step = self._steps.get(key)
         if step is None:
-            step = self._steps[key] = self._build_step(sampling.structure(), shape, keep_features)
+            values = sampling.new_values(next(self.model.parameters()).device)
+            step = self._steps[key] = self._build_step(sampling.structure(), values, shape, keep_features)
         values = step.step.values if isinstance(step, StepProgram) else step.values
         values.load(sampling)
         return step
 
-    def _build_step(self, sampling: SamplingParams, shape: TreeShape | None, keep_features: bool = False
+    def _build_step(self, sampling: SamplingParams, values: SamplingValues | RowSamplingValues,
+                    shape: TreeShape | None, keep_features: bool = False
                     ) -> SpeculativeStep | StepProgram | PlainStep:
-        values = SamplingValues(next(self.model.parameters()).device)
         if shape is None:
             return PlainStep(sampling, self.program, keep_features=keep_features, values=values)
         if not self.options.step_program:
@@ -188,17 +197,18 @@ class SpeculativeDecoder:
 
     # -- public ----------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, prompts: list[torch.Tensor], stopper: StopChecker, sampling: SamplingParams,
+    def generate(self, prompts: list[torch.Tensor], stopper: StopChecker, sampling: RowSettings,
                  generator: torch.Generator | None = None,
                  inputs: tuple[torch.Tensor, torch.Tensor] | None = None) -> GenerationStats:
-        """`inputs`: the caller's padded `input_ids` and `attention_mask` [R, L], the rows HF's logits processors
-        read (needed when `sampling.processors` is set). A `DecodeSession` run to the end."""
+        """`sampling`: one setting for every row, or one per prompt. `inputs`: the caller's padded `input_ids` and
+        `attention_mask` [R, L], the rows HF's logits processors read (needed when `sampling.processors` is set).
+        A `DecodeSession` run to the end."""
         session = self.session(prompts, stopper, sampling, generator, inputs)
         while session.running:
             session.cycle()
         return session.finish()
 
-    def session(self, prompts: list[torch.Tensor], stopper: StopChecker, sampling: SamplingParams,
+    def session(self, prompts: list[torch.Tensor], stopper: StopChecker, sampling: RowSettings,
                 generator: torch.Generator | None = None, inputs=None, **kwargs) -> DecodeSession:
         """A batch in flight, prefilled: cycle it, join rows into it, regroup it (`runtime/session.py`)."""
         return DecodeSession(self, prompts, stopper, sampling, generator, inputs, **kwargs)
@@ -240,7 +250,7 @@ class SpeculativeDecoder:
         draft_kv = self.drafter.new_state(batch, slots, dtype=dtype, device=device) if self.speculate else None
         return cache, draft_kv
 
-    def _graphed(self, sampling: SamplingParams, device: torch.device, stats) -> GraphedStep | None:
+    def _graphed(self, sampling: SamplingParams | BatchSampling, device: torch.device, stats) -> GraphedStep | None:
         if not self.options.cudagraphs:
             return None
         if not self.graph_runtime.supports(device):
@@ -452,7 +462,7 @@ class SpeculativeDecoder:
             self._draft_vocab = set(self.drafter.target_vocab().tolist())
         return self._draft_vocab
 
-    def _sample_one(self, logits: torch.Tensor, sampling: SamplingParams, generator,
+    def _sample_one(self, logits: torch.Tensor, sampling: SamplingParams | BatchSampling, generator,
                     history: TokenHistory | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The first new token, from the prefill's last logits [B, V] (float32, as HF casts them; HF's logits
         processors applied from the prompt rows when set), and [B] bool: those logits were usable
@@ -463,7 +473,12 @@ class SpeculativeDecoder:
             logits = process_next(logits, sampling.processors, history)
         if not sampling.do_sample:
             return logits.argmax(-1), usable
-        probs = target_probs(torch.where(usable[:, None], logits, 0.0), sampling)
+        values = None
+        if isinstance(sampling, BatchSampling):     # one setting per row; greedy rows draw their point mass
+            values = sampling.new_values(logits.device)
+            values.load(sampling)
+            sampling = sampling.structure()
+        probs = target_probs(torch.where(usable[:, None], logits, 0.0), sampling, values)
         return torch.multinomial(probs, 1, generator=generator)[:, 0], usable
 
 

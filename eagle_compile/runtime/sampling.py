@@ -19,11 +19,19 @@ setting of the same `SamplingParams.program_key`: whether it samples, whether to
 (`torch.topk` needs a static k: the program takes the top `top_k_bucket(k)` values, a power of two, and reads the
 k-th among them, the same value HF's `topk(k)[..., -1]` gives). A server with varied temperatures, top-k and
 top-p therefore captures a bounded set of programs, not one per setting.
+
+Rows of one batch may each have their own setting (a server's continuous batch): `BatchSampling` holds one
+`SamplingParams` per row, and its programs read `RowSamplingValues`, one number per row ([B] tensors), so a row
+samples with its own temperature / top-k / top-p and a greedy row takes the point mass on its argmax
+(`verify_sample` then accepts only argmax tokens and draws the argmax as bonus: the row's greedy tokens exactly). A
+batch whose rows share one setting is that `SamplingParams` (`BatchSampling.of`), and runs the programs above
+unchanged.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,6 +108,10 @@ class SamplingParams:
         if not self.do_sample:
             return (False, 0, False, self.processors)
         return (True, top_k_bucket(self.top_k), self.top_p < 1.0, self.processors)
+
+    def new_values(self, device: torch.device | str) -> SamplingValues:
+        """The run-time numbers of a program of this `program_key` (`load` them before each call)."""
+        return SamplingValues(device)
 
     def structure(self) -> SamplingParams:
         """The one setting that stands for every setting of this `program_key` in a program's code: programs
@@ -187,6 +199,8 @@ class SamplingValues:
     """The run-time numbers of a sampling program: 0-dim tensors on the program's device, rewritten in place
     (`load`) before each call, so a captured graph or CUDA graph reads the call's values from the same memory."""
 
+    per_row = False
+
     def __init__(self, device: torch.device | str) -> None:
         self.temperature = torch.ones((), dtype=torch.float64, device=device)
         self.top_k = torch.zeros((), dtype=torch.long, device=device)
@@ -196,6 +210,94 @@ class SamplingValues:
         self.temperature.fill_(params.temperature)
         self.top_k.fill_(params.top_k)
         self.top_p.fill_(params.top_p)
+
+
+class RowSamplingValues:
+    """`SamplingValues` with one number per row: [B] tensors (`sample`: the row samples; False: greedy). One set
+    of tensors per batch size, kept and rewritten in place (`load`), so a program captured for a bucket (or a
+    CUDA graph) reads the same memory every call."""
+
+    per_row = True
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = device
+        self._by_rows: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def load(self, params: BatchSampling) -> None:
+        rows = [p if p is not None and p.do_sample else _GREEDY_ROW for p in params.rows]
+        tensors = self._by_rows.get(len(rows))
+        if tensors is None:
+            tensors = self._by_rows[len(rows)] = (
+                torch.ones(len(rows), dtype=torch.float64, device=self.device),
+                torch.zeros(len(rows), dtype=torch.long, device=self.device),
+                torch.ones(len(rows), dtype=torch.float64, device=self.device),
+                torch.zeros(len(rows), dtype=torch.bool, device=self.device))
+        self.temperature, self.top_k, self.top_p, self.sample = tensors
+        self.temperature.copy_(torch.tensor([p.temperature for p in rows], dtype=torch.float64))
+        self.top_k.copy_(torch.tensor([p.top_k for p in rows], dtype=torch.long))
+        self.top_p.copy_(torch.tensor([p.top_p for p in rows], dtype=torch.float64))
+        self.sample.copy_(torch.tensor([p.do_sample for p in rows], dtype=torch.bool))
+
+    def per_row_view(self, tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """`tensor` [B] shaped to broadcast over `like` [B, ..., V]."""
+        return tensor.view(-1, *([1] * (like.dim() - 1)))
+
+
+_GREEDY_ROW = SamplingParams(do_sample=False)
+
+
+@dataclass(frozen=True)
+class BatchSampling:
+    """The settings of a batch whose rows differ: one `SamplingParams` per row (None: a free row, decoded as
+    greedy and never read). Build it with `BatchSampling.of`, which returns the one `SamplingParams` when the
+    rows agree. Rows must share their logits processors (they are code in the program, not numbers).
+
+    Quacks like `SamplingParams` where programs are chosen and built: `do_sample` (any row samples),
+    `processors`, `program_key`, `structure()` (the widest structure of the rows: top-k up to the largest
+    bucket, top-p if any row filters) and `new_values` (`RowSamplingValues`)."""
+
+    rows: tuple[SamplingParams | None, ...]
+
+    @staticmethod
+    def of(rows: Sequence[SamplingParams | None]) -> SamplingParams | BatchSampling:
+        """The sampling of a batch of `rows` settings: a `SamplingParams` when every set row has the same one."""
+        distinct = {p for p in rows if p is not None}
+        if len(distinct) <= 1:
+            return distinct.pop() if distinct else _GREEDY_ROW
+        if len({p.processors for p in distinct}) > 1:
+            raise UnsupportedGenerationError(
+                "rows of one batch have different logits processors (repetition_penalty, bad_words_ids, ...); "
+                "they are part of the compiled step, so decode rows with different processors in separate batches")
+        return BatchSampling(tuple(rows))
+
+    @property
+    def _sampled(self) -> list[SamplingParams]:
+        return [p for p in self.rows if p is not None and p.do_sample]
+
+    @property
+    def do_sample(self) -> bool:
+        return bool(self._sampled)
+
+    @property
+    def processors(self) -> ProcessorSettings | None:
+        return next(p.processors for p in self.rows if p is not None)
+
+    @property
+    def program_key(self) -> tuple:
+        """("rows", the structure's key): per-row programs are their own, beside the uniform ones."""
+        return ("rows", *self.structure().program_key)
+
+    def structure(self) -> SamplingParams:
+        sampled = self._sampled
+        if not sampled:
+            return SamplingParams(do_sample=False, processors=self.processors)
+        bucket = max(top_k_bucket(p.top_k) for p in sampled)
+        top_p = any(p.top_p < 1.0 for p in sampled)
+        return SamplingParams(do_sample=True, top_k=bucket, top_p=0.5 if top_p else 1.0,
+                              processors=self.processors)
+
+    def new_values(self, device: torch.device | str) -> RowSamplingValues:
+        return RowSamplingValues(device)
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams, values: SamplingValues | None = None
@@ -214,6 +316,8 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, values: Samplin
     """
     if not params.do_sample:
         return logits
+    if values is not None and values.per_row:
+        return _process_rows(logits, params, values)
     if values is not None:
         logits = logits / values.temperature
         if params.top_k > 0:
@@ -227,6 +331,24 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, values: Samplin
         logits = _top_k(logits, params.top_k)
     if params.top_p < 1.0:
         logits = _top_p(logits, params.top_p)
+    return logits
+
+
+def _process_rows(logits: torch.Tensor, params: SamplingParams, values: RowSamplingValues) -> torch.Tensor:
+    """`process_logits` with one setting per row (`values` [B], `params` the rows' widest structure): each row
+    exactly as HF's warpers with its own numbers. The numbers are cast to the logits' dtype first, as a Python
+    number is (a [B] float64 tensor would otherwise promote the whole computation to float64); a row without
+    top-k (top_k 0) or top-p (top_p 1) keeps its logits as they were."""
+    def rows(tensor):
+        return values.per_row_view(tensor, logits)
+
+    logits = logits / rows(values.temperature).to(logits.dtype)
+    if params.top_k > 0:
+        top_k = rows(values.top_k)
+        logits = torch.where(top_k > 0, _top_k_of_bucket(logits, top_k, top_k_bucket(params.top_k)), logits)
+    if params.top_p < 1.0:
+        top_p = rows(values.top_p)
+        logits = torch.where(top_p < 1.0, _top_p(logits, top_p), logits)
     return logits
 
 
@@ -251,7 +373,10 @@ def _top_p(logits: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
     # the largest token (min_tokens_to_keep=1). Same ops as HF so ties resolve identically.
     sorted_logits, sorted_indices = torch.sort(logits, descending=False)
     cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    sorted_remove = cumulative <= (1 - top_p)
+    limit = 1 - top_p
+    if isinstance(limit, torch.Tensor) and limit.dim():        # per row: compared in the logits' dtype, as HF's
+        limit = limit.to(cumulative.dtype)                      # Python number is
+    sorted_remove = cumulative <= limit
     sorted_remove[..., -1:] = False
     remove = sorted_remove.scatter(-1, sorted_indices, sorted_remove)
     return logits.masked_fill(remove, -math.inf)
@@ -268,6 +393,12 @@ def target_probs(logits: torch.Tensor, params: SamplingParams, values: SamplingV
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     logits = logits.to(dtype)
     if not params.do_sample:
-        argmax = logits.argmax(dim=-1, keepdim=True)
-        return torch.zeros_like(logits).scatter(-1, argmax, 1.0)
-    return process_logits(logits, params, values).softmax(dim=-1)
+        return _point_mass(logits)
+    probs = process_logits(logits, params, values).softmax(dim=-1)
+    if values is not None and values.per_row:                  # greedy rows of a mixed batch: their argmax
+        probs = torch.where(values.per_row_view(values.sample, probs), probs, _point_mass(logits))
+    return probs
+
+
+def _point_mass(logits: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(logits).scatter(-1, logits.argmax(dim=-1, keepdim=True), 1.0)

@@ -12,6 +12,10 @@ active, `finish()`. A server keeps the session open instead (`serve/engine.py`, 
   state, the stop checker, the copy branch and the calibration's per-row state follow them): to a larger
   bucket when requests wait and no row is free, to a smaller one when few rows are left.
 
+Rows may each have their own sampling setting (`sampling`: one per prompt, and one per joining prompt): the
+session runs each cycle with `BatchSampling.of` the running rows' settings, so a batch whose rows agree runs the
+uniform programs and a mixed one the per-row programs (`runtime/sampling.py`); the settings follow the rows.
+
 Before either, the calibration's re-sync stash (the features of plain steps the draft has not seen) is
 flushed: the stash assumes rows that were active in every stashed step. What a session cannot do, it says
 (`joinable`): CUDA graphs (static buffers per bucket), HF logits processors (a history per row), or a drafter
@@ -30,11 +34,13 @@ from eagle_compile.draft.drift import DriftTotals
 from eagle_compile.draft.model import DraftKV
 from eagle_compile.errors import UnsupportedGenerationError
 from eagle_compile.runtime.kv_cache import SlotKVCache
-from eagle_compile.runtime.sampling import SamplingParams
+from eagle_compile.runtime.sampling import BatchSampling, SamplingParams
 from eagle_compile.runtime.stats import GenerationStats
 from eagle_compile.runtime.stopping import StopChecker
 
 _ROW_FIELDS = ("n", "root", "seed_feedback", "seed_head", "active", "drafting", "floor", "copy")
+
+RowSettings = SamplingParams | Sequence[SamplingParams]    # one setting for every row, or one per prompt
 
 
 class _RowView:
@@ -55,15 +61,19 @@ class DecodeSession:
     """A batch in flight on `decoder`. `rows`: the batch bucket to start in (default: the smallest that holds
     the prompts); `min_slots`: cache slots to allocate at least (room for prompts that join later)."""
 
-    def __init__(self, decoder, prompts: list[torch.Tensor], stopper: StopChecker, sampling: SamplingParams,
+    def __init__(self, decoder, prompts: list[torch.Tensor], stopper: StopChecker, sampling: RowSettings,
                  generator: torch.Generator | None = None, inputs=None, *, rows: int | None = None,
                  min_slots: int = 0) -> None:
         d = self.decoder = decoder
-        self.stopper, self.sampling, self.generator = stopper, sampling, generator
+        self.stopper, self.generator = stopper, generator
         self.stats = stats = GenerationStats(tree=d.tree_stats(), lowering=d.lowering.describe(),
                                              speculate=d.speculate)
         real = len(prompts)
         batch = d._bucket(max(real, rows or 0))
+        self.settings: list[SamplingParams | None] = _row_settings(sampling, real) + [None] * (batch - real)
+        self._fixed: SamplingParams | BatchSampling | None = None
+        self._default = self.settings[0]         # a joining row's setting when `join` is given none
+        sampling = BatchSampling.of(self.settings)
         prompts = prompts + [prompts[0][:1]] * (batch - real)
         self.active = torch.tensor([not f for f in stopper.finished] + [False] * (batch - real))
         longest = max(len(p) for p in prompts)
@@ -72,6 +82,8 @@ class DecodeSession:
         slots = max(d._slots(prompts, stopper.max_new_tokens), min_slots)
         device = self.device = prompts[0].device
         graphed = self.graphed = d._graphed(sampling, device, stats)
+        if graphed:
+            self._fixed = sampling               # the graphed step of this key replays: its rows never change
         buffers = self.buffers = d._buffers(batch, slots, device) if graphed else None
         self.cache, self.draft_kv = (buffers.cache, buffers.draft_kv) if graphed else d._caches(batch, slots, device)
 
@@ -103,6 +115,14 @@ class DecodeSession:
     @property
     def batch(self) -> int:
         return int(self.state.n.shape[0])
+
+    @property
+    def sampling(self) -> SamplingParams | BatchSampling:
+        """The settings of the running rows (free rows count as none): what the next cycle decodes with."""
+        if self._fixed is not None:
+            return self._fixed
+        active = self.active.tolist()
+        return BatchSampling.of([p if on else None for p, on in zip(self.settings, active, strict=True)])
 
     @property
     def running(self) -> bool:
@@ -144,9 +164,11 @@ class DecodeSession:
                      self.stats, self.buffers)
 
     # -- rows joining --------------------------------------------------------------------------------------------
-    def join(self, rows: Sequence[int], prompts: Sequence[torch.Tensor]) -> None:
+    def join(self, rows: Sequence[int], prompts: Sequence[torch.Tensor], sampling: RowSettings | None = None
+             ) -> None:
         """Prefill `prompts` into the free `rows` (the stop checker's rows already replaced by the caller:
-        `StopChecker.replace`); each then decodes as if it had been alone from the start."""
+        `StopChecker.replace`); each then decodes as if it had been alone from the start. `sampling`: their
+        setting, or one per prompt (default: the setting the session started with for its first row)."""
         why = self.joinable
         if why is not None:
             raise RuntimeError(f"rows cannot join this batch: {why}")
@@ -159,6 +181,7 @@ class DecodeSession:
                 raise ValueError(f"a prompt of {len(p)} tokens with {self.stopper.row_max_new(b)} new tokens does "
                                  f"not fit this batch's {self.cache.slots} cache slots; start a new batch for it")
             self._leave(b)
+        settings = _row_settings(self._default if sampling is None else sampling, len(rows))
         self._flush()
         t0 = time.perf_counter()
         k, on = len(rows), torch.tensor(list(rows), device=self.device)
@@ -167,7 +190,8 @@ class DecodeSession:
         cache, draft_kv = d._caches(sub, self.cache.slots, self.device)
         view, stats = _RowView(self.stopper, list(rows)), GenerationStats()
         active = torch.tensor([True] * k + [False] * (sub - k))
-        new = d._prefill(padded, cache, draft_kv, self.sampling, self.generator, view, active, stats)
+        new = d._prefill(padded, cache, draft_kv, BatchSampling.of(settings + [None] * (sub - k)), self.generator,
+                         view, active, stats)
         for mine, theirs in zip(self.cache.layers, cache.layers, strict=True):
             mine.keys[on] = theirs.keys[:k]
             mine.values[on] = theirs.values[:k]
@@ -183,6 +207,7 @@ class DecodeSession:
         self.stats.prefill_time += time.perf_counter() - t0
         for i, (b, p) in enumerate(zip(rows, prompts, strict=True)):
             self.lengths[b] = len(p)
+            self.settings[b] = settings[i]
             self.active[b] = bool(active[i]) and not self.stopper.finished[b]    # active: False if poisoned
             if d.lookup is not None:
                 d.lookup.replace(b, p.tolist())
@@ -236,6 +261,7 @@ class DecodeSession:
         s.active &= live.to(s.active.device)
         self.active = self.active[torch.tensor(index)] & live
         self.lengths = [self.lengths[i] if on else 1 for i, on in zip(index, live.tolist(), strict=True)]
+        self.settings = [self.settings[i] if on else None for i, on in zip(index, live.tolist(), strict=True)]
         self.stopper.select(index, live.tolist())
         self.stats.row_acceptance = {i: self.stats.row_acceptance[b] for i, b in enumerate(order)
                                      if b is not None and b in self.stats.row_acceptance}
@@ -270,3 +296,14 @@ class DecodeSession:
         stats.graphs_captured = d.graphs_captured
         stats.compile_time = d.lowering.compile_seconds
         return stats
+
+
+def _row_settings(sampling: RowSettings, rows: int) -> list[SamplingParams]:
+    """One `SamplingParams` per row, from one for all or a sequence of one per row."""
+    if isinstance(sampling, SamplingParams):
+        return [sampling] * rows
+    settings = list(sampling)
+    if len(settings) != rows or not all(isinstance(p, SamplingParams) for p in settings):
+        raise ValueError(f"sampling: one SamplingParams for every row, or a sequence of {rows} (one per prompt); "
+                         f"got {sampling!r}")
+    return settings

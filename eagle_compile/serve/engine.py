@@ -2,15 +2,15 @@
 
 What the batching does, exactly:
 
-* **Join: between cycles (continuous batching).** The first waiting request picks a sampling setting and
-  starts a batch with every waiting request of that setting, in the smallest batch bucket that holds them.
-  After each cycle, waiting requests of the same setting join it: each takes a free row (one whose request
+* **Join: between cycles (continuous batching).** The waiting requests start a batch, in the smallest batch
+  bucket that holds them; each row keeps its own sampling setting (greedy or its own temperature / top_p /
+  top_k: `BatchSampling`). After each cycle, waiting requests join it: each takes a free row (one whose request
   ended, or padding) and is prefilled into that row alone (`DecodeSession.join`); if more wait than rows are
   free, the batch moves to a larger bucket first, and when at most half the bucket is running and nobody
   waits it moves to the smallest bucket that holds its rows (`DecodeSession.regroup`: caches and per-row
   state follow the rows). The caches of a batch hold at least `join_tokens` tokens per row (prompt + max_tokens),
-  so requests up to that size can join; a longer one, or one of another sampling setting, or one with a
-  `seed` (decoded alone), waits for the batch to end. `cudagraphs=True` batches do not take joins.
+  so requests up to that size can join; a longer one, or a sampled one with a `seed` (decoded alone), waits
+  for the batch to end. `cudagraphs=True` batches do not take joins.
 * **Leave: between cycles.** A row ends at its own stops (max_tokens, EOS, stop_token_ids, stop strings, checked
   token by token in `RowStops`) or when its client disconnects, at the end of the cycle in which that happens:
   its response goes out at once, and from the next cycle the decoder writes nothing for it (an inactive row
@@ -137,7 +137,7 @@ class Engine:
         key = group_key(rows[0])
         session = None
         try:
-            session = self.decoder.session(prompts, stops, request.sampling, generator,
+            session = self.decoder.session(prompts, stops, [r.request.sampling for r in rows], generator,
                                            min_slots=self.cache_room(bucket))
             while True:
                 self._release(session, stops)
@@ -184,7 +184,7 @@ class Engine:
         self.metrics.running.set(len(self.running))
 
     def _admit(self, session, stops: RowStops, key: tuple) -> None:
-        """Waiting requests of this batch's setting join it (a larger bucket first if they need one); with
+        """Waiting requests of this batch's group join it (a larger bucket first if they need one); with
         nobody joining, a batch that runs in at most half its bucket moves to a smaller one."""
         running = len(self.running)
         joining = self.scheduler.take(key, self.max_rows - running,
@@ -204,7 +204,8 @@ class Engine:
         for b, row in zip(free, joining, strict=True):
             stops.put(b, row)
         self._start(joining, running + len(joining))
-        session.join(free, [torch.tensor(r.prompt_ids, dtype=torch.long, device=self._device) for r in joining])
+        session.join(free, [torch.tensor(r.prompt_ids, dtype=torch.long, device=self._device) for r in joining],
+                     [r.request.sampling for r in joining])
         self.joins += len(joining)
         self.metrics.joins.inc(len(joining))
         self.running = [r for r in stops.rows if r is not None]

@@ -1,13 +1,14 @@
-"""Which waiting requests decode together: the next batch, grouped by sampling setting, and who joins a running one.
+"""Which waiting requests decode together: the next batch, and who joins a running one.
 
-A step program is built for one `SamplingParams` (the warpers are static in the captured graph), so a batch
-holds requests of one setting: the oldest waiting request picks the setting and the batch takes, in arrival
-order, every waiting request of that setting up to `max_rows` (the largest batch bucket). While it runs,
-`take` hands it, between cycles, the waiting requests of its setting that fit its caches (continuous
-batching: `serve/engine.py`); requests of other settings wait for the batch to end. A request with a
-`seed` decodes in a batch of its own with its own generator, so its tokens depend on nothing but its seed
-and prompt (in a shared batch the uniforms drawn would depend on its neighbours). Greedy requests all share
-one setting. Aborted requests still waiting are dropped here and never reach the decoder.
+Rows of a batch each keep their own sampling setting (greedy, or their temperature / top_p / top_k: the step
+reads one number per row, `runtime/sampling.py` `BatchSampling`), so requests of any settings share a batch:
+the next batch takes the waiting requests in arrival order up to `max_rows` (the largest batch bucket), and
+while it runs `take` hands it, between cycles, the waiting requests that fit its caches (continuous batching:
+`serve/engine.py`). Two kinds of request keep to their own group: a sampled request with a `seed` decodes in
+a batch of its own with its own generator, so its tokens depend on nothing but its seed and prompt (in a
+shared batch the uniforms drawn would depend on its neighbours); and requests with different logits processors
+(code in the step, not numbers) never share a batch. Aborted requests still waiting are dropped here and never
+reach the decoder.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from eagle_compile.serve.row import Row
 
 
 def group_key(row: Row) -> tuple:
+    """Requests of one key may share a batch: same logits processors, and no seeded sampling (alone)."""
     request = row.request
-    return (request.sampling, id(row) if request.seed is not None and request.sampling.do_sample else None)
+    return (request.sampling.processors,
+            id(row) if request.seed is not None and request.sampling.do_sample else None)
 
 
 class Scheduler:
@@ -65,7 +68,7 @@ class Scheduler:
             return taken
 
     def next_batch(self, timeout: float) -> list[Row]:
-        """The next batch (oldest request's setting, arrival order); empty after `timeout` seconds or on close."""
+        """The next batch (the oldest request's group, arrival order); empty after `timeout` seconds or on close."""
         with self._cond:
             self._cond.wait_for(lambda: self._waiting or self._closed, timeout=timeout)
             self._drop_aborted()

@@ -16,14 +16,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from distribution import hf_warpers
 from scipy.stats import chisquare
 from transformers import GenerationConfig
-from transformers.generation.logits_process import (
-    LogitsProcessorList,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
 
 from eagle_compile.core.verify import draw_uniforms, verify_sample
 from eagle_compile.errors import UnsupportedGenerationError
@@ -305,18 +300,6 @@ def test_the_check_rejects_a_broken_sampler(bug):
 
 
 # --- the target distribution is Hugging Face's --------------------------------------------------------------
-
-def hf_warpers(params: SamplingParams) -> LogitsProcessorList:
-    """The warpers `GenerationMixin._get_logits_processor` builds for these settings, in its order."""
-    warpers = LogitsProcessorList()
-    if params.temperature != 1.0:
-        warpers.append(TemperatureLogitsWarper(params.temperature))
-    if params.top_k != 0:
-        warpers.append(TopKLogitsWarper(top_k=params.top_k, min_tokens_to_keep=1))
-    if params.top_p < 1.0:
-        warpers.append(TopPLogitsWarper(top_p=params.top_p, min_tokens_to_keep=1))
-    return warpers
-
 
 WARPER_PARAMS = [
     SamplingParams(do_sample=True, temperature=0.7),

@@ -99,3 +99,28 @@ def test_join_and_regroup_refuse_running_rows(setup, monkeypatch):
         session.regroup([0])
     assert not session.fits(20, 10_000)            # past the caches (and the tiny target's 512-token window)
     assert session.fits(4, 8)
+
+
+def test_sampled_rows_join_a_greedy_batch_and_the_greedy_rows_stay_exact(setup, monkeypatch):
+    """Rows with their own sampling settings join (and regroup with) greedy rows: the batch runs the per-row
+    programs while they decode, and the greedy rows' tokens are still exactly each prompt's greedy output."""
+    _, _, prompts, want = setup
+    hot = SamplingParams(do_sample=True, temperature=0.9, top_k=20, top_p=0.9)
+    warm = SamplingParams(do_sample=True, temperature=1.2)
+    session, stopper = session_of(setup, monkeypatch, [0, 1], rows=4)
+    session.generator = torch.Generator().manual_seed(0)
+    session.cycle()
+    stopper.replace(2, prompts[2])
+    session.join([2], [prompts[2]], hot)
+    assert session.sampling.rows[2] == hot                     # a mixed batch: one setting per row
+    session.cycle()
+    session.regroup([2, 0, 1], 8)                              # the settings follow their rows
+    assert session.settings[:3] == [hot, SamplingParams(), SamplingParams()]
+    stopper.replace(3, prompts[3])
+    session.join([3], [prompts[3]], [warm])
+    while session.running:
+        session.cycle()
+    keys = [key for key in session.decoder._steps if key[0][0] == "rows"]
+    assert keys, "no per-row program ran"
+    assert stopper.generated[1] == want[0] and stopper.generated[2] == want[1]
+    assert len(stopper.generated[0]) == NEW and len(stopper.generated[3]) == NEW   # the sampled rows decoded

@@ -113,13 +113,20 @@ def test_joiner_that_does_not_fit_waits_for_the_next_batch(parts):
         assert out["rows"][name].tokens == want, name
 
 
-def test_seeded_and_other_settings_never_join(parts):
+def test_sampled_requests_join_a_greedy_batch_and_seeded_ones_decode_alone(parts):
+    """A request with its own sampling setting joins the running greedy batch (its row samples, the others stay
+    greedy and exact); a seeded one waits and decodes alone, reproducibly."""
     options = OPTIONS
     tok, model, head = parts
     engine = Engine(model, tok, head, options, model_name=MODEL)
     first = [("lead", request("count with me: one two three", 30))]
     joiners = [("seeded", request("the sky", 5, temperature=0.8, seed=3)),
-               ("warm", request("the sea", 5, temperature=0.7))]
+               ("warm", request("the sea", 12, temperature=0.7, top_p=0.9))]
     out = run(engine, first, joiners, after_tokens=3)
-    assert engine.joins == 0 and out["batches"] == 3
+    assert engine.joins == 1 and out["batches"] == 2          # "warm" joined; "seeded" had a batch of its own
     assert all(out["rows"][n].finish_reason in ("length", "stop") for n in ("seeded", "warm"))
+    assert out["rows"]["warm"].batch_rows == 2
+    keys = [key for key in engine.decoder._steps if key[0][0] == "rows"]
+    assert keys, "the mixed batch never ran a per-row program"
+    lead = first[0][1]
+    assert out["rows"]["lead"].tokens == reference(parts, options, lead.prompt, lead.max_tokens)
