@@ -227,20 +227,19 @@ class RowSamplingValues:
         rows = [p if p is not None and p.do_sample else _GREEDY_ROW for p in params.rows]
         tensors = self._by_rows.get(len(rows))
         if tensors is None:
-            tensors = self._by_rows[len(rows)] = (
-                torch.ones(len(rows), dtype=torch.float64, device=self.device),
-                torch.zeros(len(rows), dtype=torch.long, device=self.device),
-                torch.ones(len(rows), dtype=torch.float64, device=self.device),
-                torch.zeros(len(rows), dtype=torch.bool, device=self.device))
+            tensors = self._by_rows[len(rows)] = tuple(
+                torch.empty(len(rows), dtype=dtype, device=self.device)
+                for dtype in (torch.float64, torch.long, torch.float64, torch.bool))
         self.temperature, self.top_k, self.top_p, self.sample = tensors
         self.temperature.copy_(torch.tensor([p.temperature for p in rows], dtype=torch.float64))
         self.top_k.copy_(torch.tensor([p.top_k for p in rows], dtype=torch.long))
         self.top_p.copy_(torch.tensor([p.top_p for p in rows], dtype=torch.float64))
         self.sample.copy_(torch.tensor([p.do_sample for p in rows], dtype=torch.bool))
 
-    def per_row_view(self, tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """`tensor` [B] shaped to broadcast over `like` [B, ..., V]."""
-        return tensor.view(-1, *([1] * (like.dim() - 1)))
+
+def _per_row(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`tensor` [B] shaped to broadcast over `like` [B, ..., V]."""
+    return tensor.view(-1, *([1] * (like.dim() - 1)))
 
 
 _GREEDY_ROW = SamplingParams(do_sample=False)
@@ -339,15 +338,12 @@ def _process_rows(logits: torch.Tensor, params: SamplingParams, values: RowSampl
     exactly as HF's warpers with its own numbers. The numbers are cast to the logits' dtype first, as a Python
     number is (a [B] float64 tensor would otherwise promote the whole computation to float64); a row without
     top-k (top_k 0) or top-p (top_p 1) keeps its logits as they were."""
-    def rows(tensor):
-        return values.per_row_view(tensor, logits)
-
-    logits = logits / rows(values.temperature).to(logits.dtype)
+    logits = logits / _per_row(values.temperature, logits).to(logits.dtype)
     if params.top_k > 0:
-        top_k = rows(values.top_k)
+        top_k = _per_row(values.top_k, logits)
         logits = torch.where(top_k > 0, _top_k_of_bucket(logits, top_k, top_k_bucket(params.top_k)), logits)
     if params.top_p < 1.0:
-        top_p = rows(values.top_p)
+        top_p = _per_row(values.top_p, logits)
         logits = torch.where(top_p < 1.0, _top_p(logits, top_p), logits)
     return logits
 
@@ -396,7 +392,7 @@ def target_probs(logits: torch.Tensor, params: SamplingParams, values: SamplingV
         return _point_mass(logits)
     probs = process_logits(logits, params, values).softmax(dim=-1)
     if values is not None and values.per_row:                  # greedy rows of a mixed batch: their argmax
-        probs = torch.where(values.per_row_view(values.sample, probs), probs, _point_mass(logits))
+        probs = torch.where(_per_row(values.sample, probs), probs, _point_mass(logits))
     return probs
 
 

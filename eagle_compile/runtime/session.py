@@ -71,7 +71,6 @@ class DecodeSession:
         real = len(prompts)
         batch = d._bucket(max(real, rows or 0))
         self.settings: list[SamplingParams | None] = _row_settings(sampling, real) + [None] * (batch - real)
-        self._fixed: SamplingParams | BatchSampling | None = None
         self._default = self.settings[0]         # a joining row's setting when `join` is given none
         sampling = BatchSampling.of(self.settings)
         prompts = prompts + [prompts[0][:1]] * (batch - real)
@@ -82,8 +81,6 @@ class DecodeSession:
         slots = max(d._slots(prompts, stopper.max_new_tokens), min_slots)
         device = self.device = prompts[0].device
         graphed = self.graphed = d._graphed(sampling, device, stats)
-        if graphed:
-            self._fixed = sampling               # the graphed step of this key replays: its rows never change
         buffers = self.buffers = d._buffers(batch, slots, device) if graphed else None
         self.cache, self.draft_kv = (buffers.cache, buffers.draft_kv) if graphed else d._caches(batch, slots, device)
 
@@ -118,9 +115,10 @@ class DecodeSession:
 
     @property
     def sampling(self) -> SamplingParams | BatchSampling:
-        """The settings of the running rows (free rows count as none): what the next cycle decodes with."""
-        if self._fixed is not None:
-            return self._fixed
+        """The settings of the running rows (free rows count as none): what the next cycle decodes with. A graphed
+        session keeps the key its CUDA graphs were captured for: every row's, as at the start (it takes no joins)."""
+        if self.graphed:
+            return BatchSampling.of(self.settings)
         active = self.active.tolist()
         return BatchSampling.of([p if on else None for p, on in zip(self.settings, active, strict=True)])
 
