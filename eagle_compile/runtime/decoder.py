@@ -21,7 +21,8 @@ Prefill (`_prefill`) covers the longest prompt with chunks from a small menu of 
 each one causal block over the live slots; the draft's catch-up over the prompt runs per chunk, as a block of
 the same size, right after the target's chunk that produced its features. It writes only the draft's K/V
 (`fill_draft`): nothing reads a draft output before the prompt's last position, whose full draft forward runs
-once the first token is known.
+once the first token is known. Rows of very different prompt lengths prefill in groups (`prefill_groups`), each
+group a batch of its own copied into the batch's cache rows, so short rows are not padded to the longest.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from eagle_compile.core.tree import TreeShape
 from eagle_compile.core.verify import draw_uniforms
 from eagle_compile.draft.drafter import Drafter
 from eagle_compile.draft.lookup import PromptLookup
+from eagle_compile.draft.model import DraftKV
 from eagle_compile.errors import UnsupportedGenerationError
 from eagle_compile.lowering import lowering_for
 from eagle_compile.options import EagleOptions
@@ -49,7 +51,7 @@ from eagle_compile.runtime.cuda_graphs import BucketBuffers, CudaGraphRuntime, G
 from eagle_compile.runtime.kv_cache import SlotKVCache
 from eagle_compile.runtime.logits_processors import TokenHistory, process_next
 from eagle_compile.runtime.plain_step import PlainStep
-from eagle_compile.runtime.prefill_plan import prefill_plan
+from eagle_compile.runtime.prefill_plan import prefill_groups, prefill_plan
 from eagle_compile.runtime.sampling import (
     BatchSampling,
     RowSamplingValues,
@@ -70,7 +72,7 @@ from eagle_compile.runtime.step import (
     usable_logits,
 )
 from eagle_compile.runtime.step_program import StepProgram
-from eagle_compile.runtime.stopping import StopChecker
+from eagle_compile.runtime.stopping import RowView, StopChecker
 from eagle_compile.runtime.target_program import TargetProgram
 from eagle_compile.targets.quantized import find_quantized
 
@@ -320,6 +322,64 @@ class SpeculativeDecoder:
     # -- prefill ---------------------------------------------------------------------------------------------
     def _prefill(self, prompts, cache, draft_kv, sampling, generator, stopper, active, stats,
                  history: TokenHistory | None = None) -> StepState:
+        """Prefill every row: in one block, or in groups of rows of neighbouring lengths (`prefill_groups`) when
+        that computes fewer positions. Logits processors (a history over the whole batch) and a drafter whose
+        cache is not a `DraftKV` prefill in one block."""
+        groups = [list(range(len(prompts)))]
+        if history is None and (draft_kv is None or isinstance(draft_kv, DraftKV)):
+            groups = prefill_groups([len(p) for p in prompts], self.options.prefill_chunk, self._bucket,
+                                    span_limit=cache.sentinel)
+        stats.prefill_groups += len(groups)
+        if len(groups) == 1:
+            return self._prefill_block(prompts, cache, draft_kv, sampling, generator, stopper, active, stats,
+                                       history)
+        state = None
+        for rows in groups:
+            state = self._prefill_group(rows, prompts, cache, draft_kv, sampling, generator, stopper, active, stats,
+                                        state)
+        return state
+
+    def _prefill_group(self, rows: list[int], prompts, cache, draft_kv, sampling, generator, stopper, active,
+                       stats, state: StepState | None) -> StepState:
+        """Prefill `rows` as a batch of their own (the bucket that holds them, caches of their own with the batch's
+        slots), then copy their K/V and row state into the batch's: as a joining row is prefilled
+        (`DecodeSession.join`), so each row's tokens are those of the one-block prefill."""
+        k, sub, device = len(rows), self._bucket(len(rows)), prompts[0].device
+        on = torch.tensor(rows, device=device)
+        group_prompts = [prompts[b] for b in rows] + [prompts[rows[0]][:1]] * (sub - k)
+        if isinstance(sampling, BatchSampling):
+            sampling = BatchSampling.of([sampling.rows[b] for b in rows] + [None] * (sub - k))
+        group_active = torch.tensor([bool(active[b]) for b in rows] + [False] * (sub - k))
+        sub_cache, sub_draft = self._caches(sub, cache.slots, device)
+        group_stats = GenerationStats()
+        # the stop checker holds the real rows only; the bucket's padding rows (the highest indices, so the last
+        # of their group) have none
+        view = RowView(stopper, [b for b in rows if b < len(stopper.generated)])
+        new = self._prefill_block(group_prompts, sub_cache, sub_draft, sampling, generator, view, group_active,
+                                  group_stats)
+        span = min(cache.slots, max(len(group_prompts[i]) for i in range(k)) + 1)
+        for mine, theirs in zip(cache.layers, sub_cache.layers, strict=True):
+            mine.keys[on, :, :span] = theirs.keys[:k, :, :span]
+            mine.values[on, :, :span] = theirs.values[:k, :, :span]
+        if draft_kv is not None:
+            draft_kv.keys[on, :, :span] = sub_draft.keys[:k, :, :span]
+            draft_kv.values[on, :, :span] = sub_draft.values[:k, :, :span]
+        if state is None:                  # the batch's state, filled group by group
+            batch = len(prompts)
+            state = StepState(n=torch.zeros(batch, dtype=new.n.dtype, device=device),
+                              root=torch.zeros(batch, dtype=new.root.dtype, device=device),
+                              seed_feedback=new.seed_feedback.new_zeros(batch, new.seed_feedback.shape[-1]),
+                              seed_head=new.seed_head.new_zeros(batch, new.seed_head.shape[-1]),
+                              active=torch.zeros(batch, dtype=torch.bool, device=device))
+        for name in ("n", "root", "seed_feedback", "seed_head"):
+            getattr(state, name)[on] = getattr(new, name)[:k]
+        active[on.cpu()] = group_active[:k]
+        for i, message in group_stats.errors.items():
+            stats.errors[rows[i]] = message
+        return state
+
+    def _prefill_block(self, prompts, cache, draft_kv, sampling, generator, stopper, active, stats,
+                       history: TokenHistory | None = None) -> StepState:
         """Chunked prefill through the captured program (each chunk a causal block over the live slots), the
         draft's catch-up over each chunk right after it, the first token, then the catch-up of each row's last
         prompt position (whose next token is that first token)."""

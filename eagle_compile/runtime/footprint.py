@@ -34,7 +34,8 @@ import torch
 #: RSS moves with malloc's arenas and torch's CPU allocator caching: growth below this is not reported
 RSS_SLACK = 32 << 20
 #: caches that grow with new inputs up to a stated size and no further: growth within the bound is not reported
-BOUNDS = {"prefill_plan_cache": 4096}     # prefill_plan._cheapest_cover: lru_cache(maxsize=4096)
+BOUNDS = {"prefill_plan_cache": 4096,     # prefill_plan._cheapest_cover: lru_cache(maxsize=4096)
+          "prefill_cost_cache": 4096}     # prefill_plan._plan_cost: lru_cache(maxsize=4096)
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,8 @@ def footprint(compiled_or_model: Any = None) -> Footprint:
             books[name] = books.get(name, 0) + count
     from eagle_compile.runtime import prefill_plan
 
-    bounded = {"prefill_plan_cache": prefill_plan._cheapest_cover.cache_info().currsize}
+    bounded = {"prefill_plan_cache": prefill_plan._cheapest_cover.cache_info().currsize,
+               "prefill_cost_cache": prefill_plan._plan_cost.cache_info().currsize}
     live, live_bytes = live_tensor_storages()
     device = torch.cuda.memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else 0
     return Footprint(fx_graphs=fx, cuda_graphs=cuda, cache_entries=dynamo_cache_entries(),

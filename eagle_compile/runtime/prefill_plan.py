@@ -9,18 +9,28 @@ position costs every row of the batch, the weight pass once per chunk, so `prefi
 `chunks * CHUNK_OVERHEAD_TOKENS / rows + padded length` over covers by menu sizes (40 positions: one chunk of 64
 for one row, three of 16 for eight rows). Padded positions write the cache's sentinel slot and their outputs are
 never read.
+
+A batch of prompts of different lengths pads every row to the longest: 64 MT-bench first turns hold 7,045 prompt
+tokens but cover 64 x 402 positions. `prefill_groups` splits the rows (longest first) into groups, each
+prefilled as a batch of its own (a smaller bucket, its own cover) and copied into the batch's cache rows, when
+that computes fewer positions than the whole batch at once; a group pays `GROUP_OVERHEAD_TOKENS` (a cache of its
+own to fill and copy, the first token's sampling and the draft's catch-up).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable, Sequence
 
 #: the smallest prefill chunk; chunk sizes are prefill_chunk, prefill_chunk // 4, ... down to this
 MIN_PREFILL_CHUNK = 16
 
 #: what one more chunk costs, in prompt tokens of compute (one pass over the weights; see the module docstring)
 CHUNK_OVERHEAD_TOKENS = 32
+
+#: what prefilling a group of rows apart costs besides its chunks, in prompt tokens of compute
+GROUP_OVERHEAD_TOKENS = 2 * CHUNK_OVERHEAD_TOKENS
 
 
 def prefill_chunk_sizes(largest: int) -> tuple[int, ...]:
@@ -69,3 +79,54 @@ def _cheapest_cover(rest: int, sizes: tuple[int, ...], overhead: float) -> tuple
             options.append((cost + overhead + size, covered + size, chosen + (size,)))
         best.append(min(options))
     return tuple(sorted(best[units][2], reverse=True))
+
+
+def prefill_cost(length: int, largest: int, rows: int) -> int:
+    """Positions of compute a prefill of `rows` rows up to `length` tokens pays: every row over the cover's span,
+    and `CHUNK_OVERHEAD_TOKENS` per chunk."""
+    return _plan_cost(length, largest, rows)[0]
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_cost(length: int, largest: int, rows: int) -> tuple[int, int]:
+    """(cost, span) of `prefill_plan(length, largest, rows)`."""
+    plan = prefill_plan(length, largest, rows)
+    span = plan[-1][0] + plan[-1][1]
+    return rows * span + len(plan) * CHUNK_OVERHEAD_TOKENS, span
+
+
+def prefill_groups(lengths: Sequence[int], largest: int, bucket: Callable[[int], int],
+                   span_limit: int | None = None) -> list[list[int]]:
+    """Rows (indices into `lengths`) grouped for prefill, each group in ascending row order; one group of every row
+    when splitting does not pay. A group of k rows runs in `bucket(k)` rows (the padding rows cost like real
+    ones) and pays `GROUP_OVERHEAD_TOKENS` besides `prefill_cost`; no group's cover may pass `span_limit`
+    positions (the cache's slots before the sentinel; None: no limit). Groups hold rows of neighbouring lengths:
+    a dynamic programme over the rows sorted longest first (ties in row order), O(rows^2).
+
+    >>> prefill_groups([400, 20, 30, 380], 512, lambda k: k)
+    [[0, 3], [1, 2]]
+    >>> prefill_groups([100, 90, 110], 512, lambda k: k)
+    [[0, 1, 2]]
+    """
+    rows = len(lengths)
+    if rows < 2:
+        return [list(range(rows))]
+    order = sorted(range(rows), key=lambda b: (-lengths[b], b))
+    whole = prefill_cost(max(lengths), largest, bucket(rows))
+    if whole <= sum(max(n, 1) for n in lengths) + GROUP_OVERHEAD_TOKENS:   # nothing to save
+        return [list(range(rows))]
+    best: list[float] = [0.0] + [math.inf] * rows    # best[i]: the cheapest grouping of the i longest rows
+    cut = [0] * (rows + 1)
+    for i in range(1, rows + 1):
+        for j in range(i):                           # the group order[j:i]; its longest row is order[j]
+            cost, span = _plan_cost(max(lengths[order[j]], 1), largest, bucket(i - j))
+            if span_limit is not None and span > span_limit and (j, i) != (0, rows):
+                continue
+            total = best[j] + cost + GROUP_OVERHEAD_TOKENS
+            if total < best[i]:
+                best[i], cut[i] = total, j
+    groups, i = [], rows
+    while i > 0:
+        groups.append(sorted(order[cut[i]:i]))
+        i = cut[i]
+    return groups[::-1]

@@ -36,25 +36,11 @@ from eagle_compile.errors import UnsupportedGenerationError
 from eagle_compile.runtime.kv_cache import SlotKVCache
 from eagle_compile.runtime.sampling import BatchSampling, SamplingParams
 from eagle_compile.runtime.stats import GenerationStats
-from eagle_compile.runtime.stopping import StopChecker
+from eagle_compile.runtime.stopping import RowView, StopChecker
 
 _ROW_FIELDS = ("n", "root", "seed_feedback", "seed_head", "active", "drafting", "floor", "copy")
 
 RowSettings = SamplingParams | Sequence[SamplingParams]    # one setting for every row, or one per prompt
-
-
-class _RowView:
-    """The stop checker's `rows`, seen as rows 0..k-1 (the prefill of joining rows runs as a batch of its own)."""
-
-    def __init__(self, stopper: StopChecker, rows: list[int]) -> None:
-        self.stopper, self.rows = stopper, rows
-
-    @property
-    def generated(self) -> list[list[int]]:
-        return [self.stopper.generated[r] for r in self.rows]
-
-    def extend(self, row: int, block) -> bool:
-        return self.stopper.extend(self.rows[row], block)
 
 
 class DecodeSession:
@@ -186,7 +172,7 @@ class DecodeSession:
         sub = d.bucket_for(k)                        # the joiners alone, in the bucket that holds them
         padded = list(prompts) + [prompts[0][:1]] * (sub - k)
         cache, draft_kv = d._caches(sub, self.cache.slots, self.device)
-        view, stats = _RowView(self.stopper, list(rows)), GenerationStats()
+        view, stats = RowView(self.stopper, list(rows)), GenerationStats()
         active = torch.tensor([True] * k + [False] * (sub - k))
         new = d._prefill(padded, cache, draft_kv, BatchSampling.of(settings + [None] * (sub - k)), self.generator,
                          view, active, stats)

@@ -22,6 +22,7 @@ class GenerationStats:
     acceptance_lengths: list[int] = field(default_factory=list)
     cycles: int = 0
     prefill_time: float = 0.0
+    prefill_groups: int = 0                           # batches of rows the prefill ran (prefill_plan.prefill_groups)
     step_time: float = 0.0
     draft_time: float | None = None    # split of step_time; None for a captured step program (one program)
     verify_time: float | None = None
@@ -50,7 +51,8 @@ class GenerationStats:
 
     def as_dict(self) -> dict:
         return {"tau": self.tau, "histogram": self.histogram, "cycles": self.cycles, "new_tokens": self.new_tokens,
-                "prefill_time": self.prefill_time, "step_time": self.step_time, "draft_time": self.draft_time,
+                "prefill_time": self.prefill_time,
+                "prefill_groups": self.prefill_groups, "step_time": self.step_time, "draft_time": self.draft_time,
                 "verify_time": self.verify_time, "accept_time": self.accept_time, "tree": self.tree,
                 "speculate": self.speculate, "lowering": self.lowering, "graphs_captured": self.graphs_captured,
                 "compile_time": self.compile_time, "cuda_graph_replays": self.cuda_graph_replays,

@@ -91,3 +91,18 @@ class StopChecker:
     @property
     def all_finished(self) -> bool:
         return all(self.finished)
+
+
+class RowView:
+    """A `StopChecker`'s `rows`, seen as rows 0..k-1: for rows prefilled as a batch of their own (joining rows,
+    prefill groups)."""
+
+    def __init__(self, stopper: StopChecker, rows: list[int]) -> None:
+        self.stopper, self.rows = stopper, rows
+
+    @property
+    def generated(self) -> list[list[int]]:
+        return [self.stopper.generated[r] for r in self.rows]
+
+    def extend(self, row: int, block) -> bool:
+        return self.stopper.extend(self.rows[row], block)
