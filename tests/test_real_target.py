@@ -126,3 +126,31 @@ def test_batch_invariant_speculation_equals_plain_mode(target, monkeypatch):
             chosen |= set(out.stats.calibration["policy"]["chosen"])
     assert max(lengths) > 1                      # drafts were accepted: the comparison covered verify trees
     assert chosen == {"plain", "chain1", "tree3x3x8"}, chosen   # verify N = 1, 2 and 8, and the re-sync
+
+
+def test_rows_of_a_ragged_batch_decode_as_if_alone(target):
+    """Issue 13 item 1 on the real target: a left-padded batch of a ~600-token prompt and two short chat prompts,
+    the shipped head with its tree (fixed), default numerics: each row's tokens *and* acceptance lengths equal
+    those of the row decoded alone. The rows' lengths differ enough that the prefill runs in groups."""
+    model, tokenizer = target
+    draft = eagle_compile.load_draft(shipped_head(), target=model, dtype=torch.float32)
+    options = {"calibrate": "off"}
+    prompts = [_long_prompt(tokenizer), *_prompts(tokenizer, (81, 321))]
+    width = max(p.shape[1] for p in prompts)
+    pad = tokenizer.pad_token_id or 0
+    ids = torch.stack([torch.cat([torch.full((width - p.shape[1],), pad), p[0]]) for p in prompts])
+    mask = torch.stack([torch.cat([torch.zeros(width - p.shape[1], dtype=torch.long),
+                                   torch.ones(p.shape[1], dtype=torch.long)]) for p in prompts])
+    with torch.no_grad():
+        batch = eagle_compile.generate(model, ids, attention_mask=mask, draft=draft, options=options,
+                                       max_new_tokens=32, return_dict_in_generate=True)
+        alone = [eagle_compile.generate(model, p, draft=draft, options=options, max_new_tokens=32,
+                                        return_dict_in_generate=True) for p in prompts]
+    assert "numerics batch_invariant" in batch.stats.lowering and batch.stats.prefill_groups > 1
+    accepted = 0
+    for b, (p, out) in enumerate(zip(prompts, alone, strict=True)):
+        new = out.sequences[0, p.shape[1]:]
+        assert torch.equal(batch.sequences[b, width:width + len(new)], new), b
+        assert batch.stats.row_acceptance[b] == out.stats.row_acceptance[0], b
+        accepted += sum(n - 1 for n in out.stats.row_acceptance[0])
+    assert accepted >= 5, "drafts must be accepted for the acceptance lengths to say anything"
