@@ -67,6 +67,7 @@ from eagle_compile.runtime.step import (
     StepState,
     catch_up,
     fill_draft,
+    put_rows,
     read_cycle,
     traced_target_forward,
     usable_logits,
@@ -335,48 +336,46 @@ class SpeculativeDecoder:
                                        history)
         state = None
         for rows in groups:
-            state = self._prefill_group(rows, prompts, cache, draft_kv, sampling, generator, stopper, active, stats,
-                                        state)
+            sub = BatchSampling.of([sampling.rows[b] for b in rows]) if isinstance(sampling, BatchSampling) \
+                else sampling
+            new, ran = self.prefill_rows(rows, [prompts[b] for b in rows], sub, [bool(active[b]) for b in rows],
+                                         cache, draft_kv, generator, stopper, stats)
+            if state is None:              # the batch's state, filled group by group
+                state = StepState(n=new.n.new_zeros(len(prompts)), root=new.root.new_zeros(len(prompts)),
+                                  seed_feedback=new.seed_feedback.new_zeros(len(prompts), new.seed_feedback.shape[-1]),
+                                  seed_head=new.seed_head.new_zeros(len(prompts), new.seed_head.shape[-1]),
+                                  active=torch.zeros(len(prompts), dtype=torch.bool, device=new.n.device))
+            put_rows(state, new, rows)
+            active[torch.tensor(rows)] = torch.tensor(ran)
         return state
 
-    def _prefill_group(self, rows: list[int], prompts, cache, draft_kv, sampling, generator, stopper, active,
-                       stats, state: StepState | None) -> StepState:
-        """Prefill `rows` as a batch of their own (the bucket that holds them, caches of their own with the batch's
-        slots), then copy their K/V and row state into the batch's: as a joining row is prefilled
-        (`DecodeSession.join`), so each row's tokens are those of the one-block prefill."""
+    def prefill_rows(self, rows: list[int], prompts, sampling, active: list[bool], cache, draft_kv, generator,
+                     stopper, stats) -> tuple[StepState, list[bool]]:
+        """Prefill `prompts` into batch rows `rows` of `cache` / `draft_kv` as a batch of their own (the bucket
+        that holds them, caches of their own with the batch's slots; the prompts of a prefill group, or of rows
+        joining a running batch: `DecodeSession.join`), then copy their K/V rows in. Returns their `StepState`
+        (its first len(rows) rows are theirs; `put_rows` copies them) and whether each is still running; their
+        NaN errors go to `stats` under their batch row. `stopper` rows past its own (a bucket's padding rows,
+        the highest indices) have no stop-checker row."""
         k, sub, device = len(rows), self._bucket(len(rows)), prompts[0].device
-        on = torch.tensor(rows, device=device)
-        group_prompts = [prompts[b] for b in rows] + [prompts[rows[0]][:1]] * (sub - k)
+        padded = list(prompts) + [prompts[0][:1]] * (sub - k)
         if isinstance(sampling, BatchSampling):
-            sampling = BatchSampling.of([sampling.rows[b] for b in rows] + [None] * (sub - k))
-        group_active = torch.tensor([bool(active[b]) for b in rows] + [False] * (sub - k))
-        sub_cache, sub_draft = self._caches(sub, cache.slots, device)
-        group_stats = GenerationStats()
-        # the stop checker holds the real rows only; the bucket's padding rows (the highest indices, so the last
-        # of their group) have none
+            sampling = BatchSampling.of(list(sampling.rows) + [None] * (sub - k))
+        ran = torch.tensor(list(active) + [False] * (sub - k))
+        own, own_draft = self._caches(sub, cache.slots, device)
+        own_stats = GenerationStats()
         view = RowView(stopper, [b for b in rows if b < len(stopper.generated)])
-        new = self._prefill_block(group_prompts, sub_cache, sub_draft, sampling, generator, view, group_active,
-                                  group_stats)
-        span = min(cache.slots, max(len(group_prompts[i]) for i in range(k)) + 1)
-        for mine, theirs in zip(cache.layers, sub_cache.layers, strict=True):
-            mine.keys[on, :, :span] = theirs.keys[:k, :, :span]
-            mine.values[on, :, :span] = theirs.values[:k, :, :span]
+        new = self._prefill(padded, own, own_draft, sampling, generator, view, ran, own_stats)
+        on = torch.tensor(rows, device=device)
+        for mine, theirs in zip(cache.layers, own.layers, strict=True):
+            mine.keys[on] = theirs.keys[:k]
+            mine.values[on] = theirs.values[:k]
         if draft_kv is not None:
-            draft_kv.keys[on, :, :span] = sub_draft.keys[:k, :, :span]
-            draft_kv.values[on, :, :span] = sub_draft.values[:k, :, :span]
-        if state is None:                  # the batch's state, filled group by group
-            batch = len(prompts)
-            state = StepState(n=torch.zeros(batch, dtype=new.n.dtype, device=device),
-                              root=torch.zeros(batch, dtype=new.root.dtype, device=device),
-                              seed_feedback=new.seed_feedback.new_zeros(batch, new.seed_feedback.shape[-1]),
-                              seed_head=new.seed_head.new_zeros(batch, new.seed_head.shape[-1]),
-                              active=torch.zeros(batch, dtype=torch.bool, device=device))
-        for name in ("n", "root", "seed_feedback", "seed_head"):
-            getattr(state, name)[on] = getattr(new, name)[:k]
-        active[on.cpu()] = group_active[:k]
-        for i, message in group_stats.errors.items():
+            draft_kv.keys[on] = own_draft.keys[:k]
+            draft_kv.values[on] = own_draft.values[:k]
+        for i, message in own_stats.errors.items():
             stats.errors[rows[i]] = message
-        return state
+        return new, ran[:k].tolist()
 
     def _prefill_block(self, prompts, cache, draft_kv, sampling, generator, stopper, active, stats,
                        history: TokenHistory | None = None) -> StepState:

@@ -36,7 +36,8 @@ from eagle_compile.errors import UnsupportedGenerationError
 from eagle_compile.runtime.kv_cache import SlotKVCache
 from eagle_compile.runtime.sampling import BatchSampling, SamplingParams
 from eagle_compile.runtime.stats import GenerationStats
-from eagle_compile.runtime.stopping import RowView, StopChecker
+from eagle_compile.runtime.step import put_rows
+from eagle_compile.runtime.stopping import StopChecker
 
 _ROW_FIELDS = ("n", "root", "seed_feedback", "seed_head", "active", "drafting", "floor", "copy")
 
@@ -168,31 +169,16 @@ class DecodeSession:
         settings = _row_settings(self._default if sampling is None else sampling, len(rows))
         self._flush()
         t0 = time.perf_counter()
-        k, on = len(rows), torch.tensor(list(rows), device=self.device)
-        sub = d.bucket_for(k)                        # the joiners alone, in the bucket that holds them
-        padded = list(prompts) + [prompts[0][:1]] * (sub - k)
-        cache, draft_kv = d._caches(sub, self.cache.slots, self.device)
-        view, stats = RowView(self.stopper, list(rows)), GenerationStats()
-        active = torch.tensor([True] * k + [False] * (sub - k))
-        new = d._prefill(padded, cache, draft_kv, BatchSampling.of(settings + [None] * (sub - k)), self.generator,
-                         view, active, stats)
-        for mine, theirs in zip(self.cache.layers, cache.layers, strict=True):
-            mine.keys[on] = theirs.keys[:k]
-            mine.values[on] = theirs.values[:k]
-        if self.draft_kv is not None:
-            self.draft_kv.keys[on] = draft_kv.keys[:k]
-            self.draft_kv.values[on] = draft_kv.values[:k]
-        for name in ("n", "root", "seed_feedback", "seed_head"):
-            getattr(s, name)[on] = getattr(new, name)[:k]
+        new, ran = d.prefill_rows(list(rows), list(prompts), BatchSampling.of(settings), [True] * len(rows),
+                                  self.cache, self.draft_kv, self.generator, self.stopper, self.stats)
+        put_rows(s, new, list(rows))
         if s.drafting is not None:
-            s.drafting[on] = True
-        for i, message in stats.errors.items():
-            self.stats.errors[rows[i]] = message
+            s.drafting[torch.tensor(list(rows), device=self.device)] = True
         self.stats.prefill_time += time.perf_counter() - t0
         for i, (b, p) in enumerate(zip(rows, prompts, strict=True)):
             self.lengths[b] = len(p)
             self.settings[b] = settings[i]
-            self.active[b] = bool(active[i]) and not self.stopper.finished[b]    # active: False if poisoned
+            self.active[b] = ran[i] and not self.stopper.finished[b]    # False if poisoned
             if d.lookup is not None:
                 d.lookup.replace(b, p.tolist())
             if d.calibration is not None:

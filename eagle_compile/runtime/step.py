@@ -47,6 +47,17 @@ class StepState:
     history: TokenHistory | None = None    # the tokens HF's logits processors read (SamplingParams.processors)
 
 
+#: the `StepState` fields a prefill sets per row (the rest are the calibration's and the copy branch's)
+PREFILL_FIELDS = ("n", "root", "seed_feedback", "seed_head")
+
+
+def put_rows(state: StepState, new: StepState, rows: list[int]) -> None:
+    """Rows `rows` of `state` take the prefill state of rows 0..len(rows)-1 of `new` (`PREFILL_FIELDS`)."""
+    on = torch.tensor(rows, device=state.n.device)
+    for name in PREFILL_FIELDS:
+        getattr(state, name)[on] = getattr(new, name)[:len(rows)]
+
+
 @dataclass
 class StepOutput:
     accept_len: torch.Tensor     # [B] accepted draft tokens a

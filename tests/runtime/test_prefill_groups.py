@@ -58,6 +58,9 @@ def test_no_group_covers_past_the_span_limit():
     free = prefill_groups(lengths, 4096, bucket)
     assert len(free) > 1                                   # the long row alone would take one chunk of 64
     whole_span = sum(size for _, size in prefill_plan(40, 4096, rows=8))
+    spans = [sum(size for _, size in prefill_plan(max(lengths[b] for b in g), 4096, rows=bucket(len(g))))
+             for g in free]
+    assert max(spans) > whole_span                         # without the limit a group covers past it
     limited = prefill_groups(lengths, 4096, bucket, span_limit=whole_span)
     for g in limited:
         plan = prefill_plan(max(lengths[b] for b in g), 4096, rows=bucket(len(g)))
