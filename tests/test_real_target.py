@@ -22,10 +22,12 @@ DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / 
 QUESTION_IDS = (81, 161, 321)          # MT-bench writing, translation, qa: first turns
 # Floors for the shipped head's mean acceptance length on these prompts, per tree: the tree chosen for this CPU
 # (tree.json, small because verifying costs c(N) here) and EAGLE's default tree (depth 7, top_k 10, 60 tokens; the
-# shape acceptance lengths are usually quoted with, and the one the tau >= 2.0 is held to). The head (see
-# its MODEL_CARD.md) measured 1.66 and 2.04 here (float32, 2 threads); an untrained head gets 1.00. Raise the
-# tree.json floor with a better-trained head.
-TAU_FLOORS = {"tree.json": 1.55, "default tree": 2.0}
+# shape acceptance lengths are usually quoted with, and the one the tau >= 2.0 is held to). The stage-5
+# head (see its MODEL_CARD.md) measured 1.48 and 2.10 here (float32, 2 threads); an untrained head gets 1.00. Its
+# tree.json is a chain of 3 (at most 4 tokens a cycle: verify_cost predicts it faster on this CPU than the
+# stage-4 head's 3x3x8 tree, which measured 1.66 here), so the tree.json floor follows the chosen tree; raise it
+# with a better-trained head.
+TAU_FLOORS = {"tree.json": 1.45, "default tree": 2.0}
 
 
 @pytest.fixture(scope="module")
