@@ -105,7 +105,7 @@ def _long_prompt(tokenizer, length: int = 600) -> torch.Tensor:
 
 
 def test_batch_invariant_speculation_equals_plain_mode(target, monkeypatch):
-    """The default options on CPU float32 (batch-invariant numerics, the calibration layer on): speculative greedy
+    """The default numerics on CPU float32 (batch-invariant, the calibration layer on): speculative greedy
     == plain greedy of the same programs, bit for bit, on a 600-token prompt (two prefill chunks). The policy is
     made to run a plain step, a chain of 1 and the head's tree in turn (verify N = 1, 2 and 8, and the re-sync after
     plain steps); docs/BENCHMARKS.md has longer runs of the real policy."""
@@ -115,7 +115,10 @@ def test_batch_invariant_speculation_equals_plain_mode(target, monkeypatch):
     model, tokenizer = target
     draft = eagle_compile.load_draft(shipped_head(), target=model, dtype=torch.float32)
     plain = torch.compile(model, backend="eagle31", options={"speculate": False, "prefill_chunk": 512})
-    fast = torch.compile(model, backend="eagle31", options={"draft": draft, "prefill_chunk": 512})
+    # the head's tree.json is a chain (of 3), so the 3x3x8 tree is given with calibrate="on" (the menu adapts
+    # around it): entry 4 is then that tree, and a verify over a tree mask is covered too
+    fast = torch.compile(model, backend="eagle31", options={"draft": draft, "prefill_chunk": 512, "calibrate": "on",
+                                                            "depth": 3, "top_k": 3, "total_tokens": 8})
     prompts = [_long_prompt(tokenizer)]
     lengths, chosen = [], set()
     with torch.no_grad():
