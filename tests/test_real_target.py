@@ -107,7 +107,7 @@ def _long_prompt(tokenizer, length: int = 600) -> torch.Tensor:
 def test_batch_invariant_speculation_equals_plain_mode(target, monkeypatch):
     """The default numerics on CPU float32 (batch-invariant, the calibration layer on): speculative greedy
     == plain greedy of the same programs, bit for bit, on a 600-token prompt (two prefill chunks). The policy is
-    made to run a plain step, a chain of 1 and the head's tree in turn (verify N = 1, 2 and 8, and the re-sync after
+    made to run a plain step, a chain of 1 and the 3x3x8 tree in turn (verify N = 1, 2 and 8, and the re-sync after
     plain steps); docs/BENCHMARKS.md has longer runs of the real policy."""
     from tiny import rotate_programs
 
