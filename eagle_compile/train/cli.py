@@ -66,6 +66,8 @@ _OPTIONS = [
     ("--warmup-steps", "warmup_steps", int, "linear warmup steps (overrides --warmup-ratio)"),
     ("--grad-clip", "grad_clip", float, "gradient-norm clipping"),
     ("--seed", "seed", int, "seed of the data order and the head's init"),
+    ("--data-start-step", "data_start_step", int, "start at this optimizer step of the seed's data plan: with the "
+     "same data, seed and batch size as an earlier run of N steps, N continues its data order (new LR schedule)"),
     ("--amp", "amp", str, "'none' or 'bf16' (autocast of the head's forward; GPUs, CPUs with avx512_bf16)"),
     ("--target-dtype", "target_dtype", str, "dtype the target makes features in: float32, bfloat16 or float16"),
     ("--features", "feature_mode", str, "'online' (run the target every batch) or 'offline' (cache first)"),

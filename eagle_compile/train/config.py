@@ -127,6 +127,7 @@ class TrainConfig:
     warmup_steps: int | None = None
     grad_clip: float = 0.5
     seed: int = 0
+    data_start_step: int = 0
     amp: str = "none"
     # target features
     feature_mode: str = "online"
@@ -160,6 +161,9 @@ class TrainConfig:
                 _positive_int(name, getattr(self, name))
         if self.time_budget_s is not None and not self.time_budget_s > 0:
             raise OptionsError(f"time_budget_s={self.time_budget_s!r}: give seconds > 0, or None for no budget")
+        if not isinstance(self.data_start_step, int) or self.data_start_step < 0:
+            raise OptionsError(f"data_start_step={self.data_start_step!r}: give an int >= 0 (the optimizer step of "
+                               "the seed's data plan this run starts at; 0 = its beginning)")
         if not isinstance(self.eval_samples, int) or self.eval_samples < 0:
             raise OptionsError(f"eval_samples={self.eval_samples!r}: give an int >= 0 (0 = no held-out set)")
         if not (self.lr > 0 and 0 <= self.min_lr_ratio <= 1 and self.weight_decay >= 0 and self.grad_clip > 0):

@@ -225,8 +225,9 @@ class Trainer:
         return [[self.train_idx[j] for j in batch] for batch in plan]
 
     def step_batches(self, step: int) -> list[list[int]]:
-        """The batches (sample indices, ``grad_accum`` of them) of optimizer step ``step`` (0-based)."""
-        epoch, j = divmod(step, self.steps_per_epoch)
+        """The batches (sample indices, ``grad_accum`` of them) of optimizer step ``step`` (0-based), taken
+        ``data_start_step`` steps into the seed's data plan."""
+        epoch, j = divmod(step + self.config.data_start_step, self.steps_per_epoch)
         if self._plan_epoch != epoch:
             self._plan_batches, self._plan_epoch = self._plan(epoch), epoch
         accum = self.config.grad_accum

@@ -244,3 +244,20 @@ def test_an_extractor_for_another_target_capture_indices_or_batch_size_is_refuse
     run("another target", other_target=tiny_target("llama"))
     run("capture indices", capture_indices=(1, 2, 3))
     run("rows", batch_size=3)
+
+
+def test_data_start_step_continues_an_earlier_runs_data_order(target, tmp_path):
+    """data_start_step=k: step s consumes what step s+k of the same seed's plan consumes, across the epoch
+    boundary too, so a later stage can train on exactly the conversations an earlier k-step stage did not see."""
+    samples = hand_samples(14, vocab=96)
+    first = Trainer(_config(tmp_path, "first", feature_mode="online"), target=target, samples=samples)
+    later = Trainer(_config(tmp_path, "later", feature_mode="online", data_start_step=2), target=target,
+                    samples=samples)
+    assert first.steps_per_epoch == 3          # 12 training conversations, 2 x 2 per step
+    plan = [first.step_batches(s) for s in range(6)]
+    assert [later.step_batches(s) for s in range(4)] == plan[2:6]
+    seen = {i for step in plan[:2] for batch in step for i in batch}
+    rest = {i for step in plan[2:3] for batch in step for i in batch}
+    assert seen.isdisjoint(rest) and seen | rest == set(first.train_idx)   # the rest of epoch 0, nothing twice
+    with pytest.raises(OptionsError, match="data_start_step"):
+        TrainConfig(data_start_step=-1)
