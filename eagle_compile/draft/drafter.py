@@ -15,7 +15,7 @@ outputs nobody reads (the prompt's catch-up, all but its last position).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -42,17 +42,22 @@ class EagleDrafter:
 
     `numerics="batch_invariant"` runs the head's eager forward on the batch-invariant kernels (a draft token's
     scores then do not depend on the tree level's width or the batch); inside a captured step program the
-    batch_invariant pass does the same swap, so the mode is not entered while dynamo traces."""
+    batch_invariant pass does the same swap, so the mode is not entered while dynamo traces. The mode reads
+    weights whose values all fit float16 (a float16 head run in float32) from exact 16-bit copies: the same
+    bits, half the bytes per level."""
 
     model: torch.nn.Module
     numerics: str = "eager"
+    _narrow: Any = field(default=None, init=False, repr=False)
 
     def _numerics(self):
         if self.numerics != "batch_invariant" or torch.compiler.is_compiling():
             return contextlib.nullcontext()
-        from eagle_compile.kernels.batch_invariant import BatchInvariantMode
+        from eagle_compile.kernels.batch_invariant import BatchInvariantMode, NarrowWeights
 
-        return BatchInvariantMode()
+        if self._narrow is None:
+            self._narrow = NarrowWeights()   # a float16 head run in float32 streams its weights in 16 bits
+        return BatchInvariantMode(self._narrow)
 
     @property
     def draft_vocab_size(self) -> int:

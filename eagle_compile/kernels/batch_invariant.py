@@ -52,7 +52,7 @@ class BuildError(RuntimeError):
 
 def _flags() -> list[str]:
     capability = torch.backends.cpu.get_cpu_capability()
-    vector = ["-mavx2", "-mfma"] if capability in ("AVX2", "AVX512") else []
+    vector = ["-mavx2", "-mfma", "-mf16c"] if capability in ("AVX2", "AVX512") else []
     return ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", *vector]   # at::parallel_for is OpenMP
 
 
@@ -92,7 +92,8 @@ def _ninja_on_path() -> None:
 
 
 def bi_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` with batch-invariant rounding (float32 CPU tensors)."""
+    """`F.linear(x, weight, bias)` with batch-invariant rounding (float32 CPU tensors; the weight may be float16
+    or bfloat16, widened exactly: the float32 weight of the same values gives the same bits)."""
     load()
     return torch.ops.eagle31.bi_linear.default(x, weight, bias)
 
@@ -115,18 +116,58 @@ def available() -> tuple[bool, str]:
     return True, f"built as {name}"
 
 
+class NarrowWeights:
+    """16-bit copies of float32 weights whose every value is a float16 (else bfloat16) value, made on first use
+    and kept per weight tensor: a head shipped in float16 and run in float32 is all such weights. `bi_linear`
+    widens a 16-bit weight exactly as it loads it, so the copy gives the same bits in half the memory traffic
+    (a draft level is a matrix-vector product per weight: bandwidth-bound). A weight changed in place since
+    (its `_version` moved) is checked again; one with a value that fits neither keeps float32."""
+
+    def __init__(self) -> None:
+        self._copies: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+
+    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
+        """`weight` itself or its exact 16-bit copy."""
+        if weight.dim() != 2 or not _cpu_float32(weight):
+            return weight
+        entry = self._copies.get(id(weight))
+        if entry is None or entry[0] is not weight or entry[1] != weight._version:
+            narrow = _exact_narrow(weight.detach())
+            entry = (weight, weight._version, weight if narrow is None else narrow)
+            self._copies[id(weight)] = entry
+        return entry[2]
+
+    def __len__(self) -> int:
+        """How many weights are held in 16 bits."""
+        return sum(copy.dtype != torch.float32 for _, _, copy in self._copies.values())
+
+
+def _exact_narrow(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` in float16 (else bfloat16) when that holds every value exactly; None when neither does."""
+    for dtype in (torch.float16, torch.bfloat16):
+        narrow = weight.to(dtype)
+        if torch.equal(narrow.float(), weight):     # NaN never compares equal: such a weight stays float32
+            return narrow
+    return None
+
+
 class BatchInvariantMode(torch.overrides.TorchFunctionMode):
     """Runs eager module code (the draft head's host-loop forward) on the batch-invariant kernels: `F.linear`
-    and `eagle31::tree_attention` calls on float32 CPU tensors go to `bi_linear` / `bi_tree_attention`.
+    and `eagle31::tree_attention` calls on float32 CPU tensors go to `bi_linear` / `bi_tree_attention`, a
+    linear's weight through `weights` (a `NarrowWeights`: the same bits from fewer bytes) when given.
     Captured programs get the same swap from the batch_invariant pass instead. For inference (the kernels have
     no autograd formula)."""
+
+    def __init__(self, weights: NarrowWeights | None = None) -> None:
+        super().__init__()
+        self.weights = weights
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in (F.linear, torch._C._nn.linear):
-            call = _bind(LINEAR_ARGS, args, kwargs)
-            if _cpu_float32(call[0]):
-                return bi_linear(*call)
+            x, weight, bias = _bind(LINEAR_ARGS, args, kwargs)
+            if _cpu_float32(x):
+                return bi_linear(x, self.weights(weight) if self.weights is not None else weight, bias)
         elif func in _TREE_ATTENTION:
             call = _bind(ATTENTION_ARGS, args, kwargs)
             if _cpu_float32(call[0]):

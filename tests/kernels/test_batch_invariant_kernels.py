@@ -36,6 +36,52 @@ def test_bi_linear_rows_do_not_depend_on_the_other_rows_or_threads(k, n, bias):
     assert bi.bi_linear(x.view(3, 7, k), w, b).shape == (3, 7, n)
 
 
+
+@pytest.mark.parametrize("narrow", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("k, n", [(64, 40), (37, 13)])                                       # 37, 13: tails
+def test_a_16_bit_weight_gives_the_bits_of_the_float32_weight_of_its_values(narrow, k, n):
+    """bi_linear widens a float16/bfloat16 weight exactly as it loads it: the float32 weight holding the same
+    values computes the same bits, for every row count and thread count (NarrowWeights relies on it)."""
+    g = torch.Generator().manual_seed(k)
+    w16 = torch.randn(n, k, generator=g).to(narrow)
+    x, b = torch.randn(21, k, generator=g), torch.randn(n, generator=g)
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for m in (1, 2, 3, 8, 21):
+            assert torch.equal(bi.bi_linear(x[:m], w16, b), bi.bi_linear(x[:m], w16.float(), b)), (m, threads)
+    wider = w16.float() + torch.randn(n, k, generator=g) * 1e-3                 # other values: other bits
+    assert not torch.equal(bi.bi_linear(x, wider, b), bi.bi_linear(x, w16, b))
+
+
+def test_narrow_weights_copy_only_weights_whose_every_value_fits():
+    g = torch.Generator().manual_seed(0)
+    half_values = torch.randn(8, 16, generator=g).half().float()
+    bf16_values = torch.randn(8, 16, generator=g).bfloat16().float()
+    bf16_values[0, 0] = 2.0 ** 20                                       # beyond float16's range, a bfloat16 value
+    neither = half_values + 1e-4                                        # float32 mantissas
+    narrow = bi.NarrowWeights()
+    assert narrow(half_values).dtype == torch.float16 and narrow(half_values) is narrow(half_values)   # kept
+    assert narrow(bf16_values).dtype == torch.bfloat16
+    assert narrow(neither) is neither
+    assert narrow(torch.randn(16)).dtype == torch.float32 and len(narrow) == 2     # 1-D tensors are never copied
+    half_values.add_(1e-4)                        # changed in place: checked again, never a stale copy
+    assert narrow(half_values) is half_values and len(narrow) == 1
+
+
+def test_the_mode_runs_a_float16_head_in_16_bits_with_the_float32_bits():
+    """BatchInvariantMode with NarrowWeights computes F.linear of float16-valued float32 weights from their
+    16-bit copies, to the same bits as without them."""
+    g = torch.Generator().manual_seed(1)
+    layer = torch.nn.Linear(40, 24).half().float()
+    x = torch.randn(3, 40, generator=g)
+    with torch.no_grad(), bi.BatchInvariantMode():
+        plain = layer(x)
+    narrow = bi.NarrowWeights()
+    with torch.no_grad(), bi.BatchInvariantMode(narrow):
+        out = layer(x)
+    assert torch.equal(out, plain) and len(narrow) == 1               # the weight went through its copy (bias: 1-D)
+
+
 def test_bi_tree_attention_matches_the_oracle_and_a_token_sees_the_same_bits_everywhere():
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(2, 2, 120, 16, generator=g), torch.randn(2, 2, 120, 16, generator=g)

@@ -12,6 +12,7 @@ from invariance import invariance_failures, invariant_program
 from tiny import greedy_reference, random_head, tiny_target
 
 import eagle_compile
+from eagle_compile.core.masks import SlotMask
 from eagle_compile.draft.drafter import EagleDrafter
 from eagle_compile.kernels import batch_invariant
 
@@ -56,6 +57,27 @@ def test_draft_scores_do_not_depend_on_the_level_width():
     for w in (1, 2, 3, 8):
         part = drafter.top_k(rows[:, :w], 4)
         assert torch.equal(part[0], wide[0][:, :w]) and torch.equal(part[1], wide[1][:, :w])
+
+
+def test_a_float16_head_drafts_from_16_bit_weights_with_the_same_bits():
+    """A head shipped in float16 and run in float32 streams its linears' weights in 16 bits (half a draft
+    level's memory traffic); its forward and top-k give the bits of the float32 weights."""
+    target = tiny_target("llama", seed=3, dtype=torch.float32)
+    head = random_head(target, flags=True, seed=2, reduced=True).half().float()
+    fast, plain = EagleDrafter(head, numerics="batch_invariant"), EagleDrafter(head, numerics="batch_invariant")
+    plain._narrow = lambda weight: weight                                          # the float32 weights
+    cfg, slots = head.config, 24
+    hidden, tokens = torch.randn(1, 3, cfg.hidden_size), torch.randint(0, cfg.vocab_size, (1, 3))
+    positions = torch.arange(3)[None]
+    mask = SlotMask.causal(torch.tensor([0]), slots)
+    outs = []
+    for drafter in (fast, plain):
+        state = drafter.new_state(1, slots, dtype=torch.float32, device=torch.device("cpu"))
+        feedback, normed = drafter.forward(state, hidden, tokens, positions, positions, mask, fuse=False)
+        outs.append((feedback, normed, *drafter.top_k(normed, 4), state.keys))
+    assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
+    used = [name for name, m in head.named_modules() if isinstance(m, torch.nn.Linear) and name != "fc"]
+    assert len(used) == 8 and len(fast._narrow) == len(used)          # every linear but fc (no fuse here) in 16 bits
 
 
 @pytest.mark.parametrize("arch", ["llama"])

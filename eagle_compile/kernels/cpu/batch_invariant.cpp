@@ -80,9 +80,33 @@ inline float hsum(Vec v) {
 
 // ---------------------------------------------------------------------------------------------------------------
 // bi_linear: y[m, n] = dot(x[m, :], w[n, :]) (+ bias[n]), every element by the fixed dot above.
+//
+// The weight may be float32, float16 or bfloat16 (x, bias and y stay float32): a 16-bit weight is widened to
+// float32 exactly as it is loaded, so a float32 weight holding the same values gives bit-identical outputs
+// while the 16-bit one streams half the bytes (kernels/batch_invariant.py keeps such copies of a draft head's
+// weights when every value fits).
 
-template <int MR, int NR>
-inline void linear_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, const float* bias,
+inline Vec wload(const float* p) { return vload(p); }
+inline float wget(const float* p) { return *p; }
+inline float wget(const at::Half* p) { return static_cast<float>(*p); }       // exact: every half is a float
+inline float wget(const at::BFloat16* p) { return static_cast<float>(*p); }   // exact: the top 16 bits
+#ifdef EAGLE31_AVX2
+inline Vec wload(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline Vec wload(const at::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+#else
+template <typename W>
+inline Vec wload(const W* p) {
+  Vec v;
+  for (int i = 0; i < kLanes; ++i) v.l[i] = wget(p + i);
+  return v;
+}
+#endif
+
+template <int MR, int NR, typename W>
+inline void linear_tile(const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t K, const float* bias,
                         float* y, int64_t ldy) {
   Vec acc[MR][NR];
 #pragma GCC unroll 16
@@ -93,7 +117,7 @@ inline void linear_tile(const float* x, int64_t ldx, const float* w, int64_t ldw
   for (int64_t k = 0; k < k8; k += kLanes) {
     Vec wv[NR];
 #pragma GCC unroll 16
-    for (int j = 0; j < NR; ++j) wv[j] = vload(w + j * ldw + k);
+    for (int j = 0; j < NR; ++j) wv[j] = wload(w + j * ldw + k);
 #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i) {
       const Vec xv = vload(x + i * ldx + k);
@@ -106,35 +130,37 @@ inline void linear_tile(const float* x, int64_t ldx, const float* w, int64_t ldw
 #pragma GCC unroll 16
     for (int j = 0; j < NR; ++j) {
       float s = hsum(acc[i][j]);
-      for (int64_t k = k8; k < K; ++k) s = std::fma(x[i * ldx + k], w[j * ldw + k], s);
+      for (int64_t k = k8; k < K; ++k) s = std::fma(x[i * ldx + k], wget(w + j * ldw + k), s);
       if (bias != nullptr) s = s + bias[j];
       y[i * ldy + j] = s;
     }
 }
 
 // Columns [n0, n1) of rows [m0, m0 + MR): NR-wide tiles, then narrower ones for the rest.
-template <int MR, int NR>
-inline void linear_rows(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, const float* bias,
+template <int MR, int NR, typename W>
+inline void linear_rows(const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t K, const float* bias,
                         float* y, int64_t ldy, int64_t n0, int64_t n1) {
   int64_t n = n0;
   for (; n + NR <= n1; n += NR)
-    linear_tile<MR, NR>(x, ldx, w + n * ldw, ldw, K, bias ? bias + n : nullptr, y + n, ldy);
-  for (; n < n1; ++n) linear_tile<MR, 1>(x, ldx, w + n * ldw, ldw, K, bias ? bias + n : nullptr, y + n, ldy);
+    linear_tile<MR, NR, W>(x, ldx, w + n * ldw, ldw, K, bias ? bias + n : nullptr, y + n, ldy);
+  for (; n < n1; ++n) linear_tile<MR, 1, W>(x, ldx, w + n * ldw, ldw, K, bias ? bias + n : nullptr, y + n, ldy);
 }
 
 // Row pairs in 2 x 4 tiles (8 accumulators and 6 loads per 8 FMAs fit AVX2's 16 registers), a last single row in
 // 1 x 8 tiles (a one-token step: eight weight rows stream at once).
-void linear_block(const float* x, int64_t M, int64_t K, const float* w, const float* bias, float* y, int64_t N,
+template <typename W>
+void linear_block(const float* x, int64_t M, int64_t K, const W* w, const float* bias, float* y, int64_t N,
                   int64_t n0, int64_t n1) {
   int64_t m = 0;
-  for (; m + 2 <= M; m += 2) linear_rows<2, 4>(x + m * K, K, w, K, K, bias, y + m * N, N, n0, n1);
-  if (m < M) linear_rows<1, 8>(x + m * K, K, w, K, K, bias, y + m * N, N, n0, n1);
+  for (; m + 2 <= M; m += 2) linear_rows<2, 4, W>(x + m * K, K, w, K, K, bias, y + m * N, N, n0, n1);
+  if (m < M) linear_rows<1, 8, W>(x + m * K, K, w, K, K, bias, y + m * N, N, n0, n1);
 }
 
 at::Tensor bi_linear(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(input.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
-              "eagle31::bi_linear: float32 input and weight required, got ", input.scalar_type(), " and ",
-              weight.scalar_type());
+  const auto wt = weight.scalar_type();
+  TORCH_CHECK(input.scalar_type() == at::kFloat && (wt == at::kFloat || wt == at::kHalf || wt == at::kBFloat16),
+              "eagle31::bi_linear: float32 input and a float32, float16 or bfloat16 weight required, got ",
+              input.scalar_type(), " and ", wt);
   TORCH_CHECK(weight.dim() == 2 && input.dim() >= 1 && input.size(-1) == weight.size(1),
               "eagle31::bi_linear: input [..., K] and weight [N, K] expected, got ", input.sizes(), " and ",
               weight.sizes());
@@ -161,13 +187,20 @@ at::Tensor bi_linear(const at::Tensor& input, const at::Tensor& weight, const st
   const int64_t block = std::max<int64_t>(8, (32768 / std::max<int64_t>(K, 1)) / 8 * 8);
   const int64_t blocks = (N + block - 1) / block;
   const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t i = b0; i < b1; ++i)
-      linear_block(xp, M, K, wp, bp, yp, N, i * block, std::min(N, (i + 1) * block));
-  });
+  const auto run = [&](const auto* wp) {
+    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t i = b0; i < b1; ++i)
+        linear_block(xp, M, K, wp, bp, yp, N, i * block, std::min(N, (i + 1) * block));
+    });
+  };
+  if (wt == at::kHalf)
+    run(w.data_ptr<at::Half>());
+  else if (wt == at::kBFloat16)
+    run(w.data_ptr<at::BFloat16>());
+  else
+    run(w.data_ptr<float>());
   return y.reshape(out_shape);
 }
 
