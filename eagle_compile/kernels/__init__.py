@@ -61,7 +61,8 @@ def eager_calls() -> dict:
     """op overload -> its Python implementation, for graphs that run as FX code (`Lowering` "eager"): a call
     through the dispatcher costs ~20 us on top of the implementation, and these ops run once per layer."""
     ops = torch.ops.eagle31
-    impls = {ops.tree_attention: tree_attention.tree_attention_impl, ops.kv_write: kv_write.kv_write_reference}
+    impls = {ops.tree_attention: tree_attention.tree_attention_impl, ops.kv_write: kv_write.kv_write_reference,
+             ops.bi_linear: batch_invariant.linear}     # bi_linear reads packed weights there (same bits)
     return {**impls, **{packet.default: fn for packet, fn in impls.items()}}
 
 

@@ -82,6 +82,50 @@ def test_the_mode_runs_a_float16_head_in_16_bits_with_the_float32_bits():
     assert torch.equal(out, plain) and len(narrow) == 1               # the weight went through its copy (bias: 1-D)
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_packed_layout_gives_bi_linears_bits(dtype):
+    """bi_linear_packed over pack_weight's panels runs bi_linear's sequence per element: identical bits for any
+    row count, bias or not, 1 or 2 threads (the pass and the draft pick either freely)."""
+    bi.load()
+    g = torch.Generator().manual_seed(3)
+    for n, k in ((40, 64), (12, 200), (96, 24)):
+        w, b = torch.randn(n, k, generator=g).to(dtype), torch.randn(n, generator=g)
+        packed = bi.pack_weight(w)
+        assert packed.shape == (n // 4, k // 8, 4, 8)
+        x = torch.randn(2, 11, k, generator=g)
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for m in (1, 2, 3, 8, 11):
+                for bias in (None, b):
+                    got = torch.ops.eagle31.bi_linear_packed(x[:, :m], packed, bias)
+                    assert torch.equal(got, bi.bi_linear(x[:, :m], w, bias)), (n, k, m, threads)
+    assert bi.pack_weight(torch.randn(6, 16)) is None and bi.pack_weight(torch.randn(8, 12)) is None  # N%4, K%8
+    with pytest.raises(RuntimeError, match=r"\[N/4, K/8, 4, 8\]"):
+        torch.ops.eagle31.bi_linear_packed(torch.randn(2, 16), torch.randn(4, 16), None)
+
+
+def test_packed_weights_keep_a_budget_follow_in_place_changes_and_free_dead_weights():
+    bi.load()
+    w1, w2, odd = torch.randn(8, 16), torch.randn(8, 16), torch.randn(6, 16)
+    packs = bi.PackedWeights(budget=w1.numel() * 4)                   # room for one of the two
+    assert packs(w1) is not None and packs(w1) is packs(w1) and packs.holds(w1)
+    assert packs(w2) is None and packs.declined == 1 and not packs.holds(w2)    # past the budget: unpacked
+    assert packs(odd) is None and packs.declined == 1                              # a shape that does not pack
+    x = torch.randn(3, 16)
+    w1.mul_(2.0)                                                      # changed in place: packed again, not stale
+    assert not packs.holds(w1)
+    assert torch.equal(torch.ops.eagle31.bi_linear_packed(x, packs(w1), None), bi.bi_linear(x, w1))
+    assert len(packs) == 1 and packs.bytes == w1.numel() * 4
+    del w1
+    assert len(packs) == 0 and packs.bytes == 0                       # freed with its weight
+    w3 = torch.randn(8, 16)
+    assert packs(w3) is not None and packs(w2) is None    # room again for a new weight; a declined one stays so
+    assert torch.equal(bi.linear(x, w3), bi.bi_linear(x, w3))         # the public entry: the same bits
+    packs.clear()
+    assert len(packs) == 0 and packs.bytes == 0 and packs(w3) is not None    # made again on next use
+
+
 def test_bi_tree_attention_matches_the_oracle_and_a_token_sees_the_same_bits_everywhere():
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(2, 2, 120, 16, generator=g), torch.randn(2, 2, 120, 16, generator=g)

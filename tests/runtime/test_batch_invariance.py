@@ -24,6 +24,7 @@ def test_logits_and_taps_do_not_depend_on_tokens_per_call_tree_or_batch_row(arch
     assert invariance_failures(model, program) == []
     ctx = program.contexts[0]
     assert ctx.counts["batch_invariant"] > 0 and ctx.counts["tree_attention"] > 0   # the swap happened
+    assert batch_invariant.PACKED.holds(model.model.layers[0].mlp.up_proj.weight)   # from the packed layout
 
 
 def test_the_checks_catch_an_n_dependent_linear(monkeypatch):
@@ -36,9 +37,14 @@ def test_the_checks_catch_an_n_dependent_linear(monkeypatch):
         out = x[..., :half] @ weight[:, :half].T + x[..., half:] @ weight[:, half:].T
         return out if bias is None else out + bias
 
+    def n_dependent_packed(x, packed, bias=None):                     # the same, from the packed layout
+        n4, k8 = packed.shape[:2]
+        return n_dependent(x, packed.permute(0, 2, 1, 3).reshape(n4 * 4, k8 * 8), bias)
+
     model = tiny_target("llama", seed=5, dtype=torch.float32)
     lib = torch.library.Library("eagle31", "IMPL")
     lib.impl("bi_linear", n_dependent, "CPU")
+    lib.impl("bi_linear_packed", n_dependent_packed, "CPU")
     try:
         failures = invariance_failures(model, invariant_program(model), chunks=(2,), trees=(4,), batches=())
     finally:

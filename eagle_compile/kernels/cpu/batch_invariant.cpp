@@ -156,52 +156,138 @@ void linear_block(const float* x, int64_t M, int64_t K, const W* w, const float*
   if (m < M) linear_rows<1, 8, W>(x + m * K, K, w, K, K, bias, y + m * N, N, n0, n1);
 }
 
-at::Tensor bi_linear(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  const auto wt = weight.scalar_type();
+// What bi_linear and bi_linear_packed share: the argument checks, the [M, K] input, the bias, the [M, N] output
+// and the empty cases (`done`: nothing left to compute), then one call of `run` per weight dtype.
+struct LinearCall {
+  at::Tensor x, b, y;
+  std::vector<int64_t> out_shape;
+  int64_t M = 0;
+  bool done = false;
+  const float* xp() const { return x.data_ptr<float>(); }
+  const float* bp() const { return b.defined() ? b.data_ptr<float>() : nullptr; }
+  float* yp() { return y.data_ptr<float>(); }
+};
+
+LinearCall linear_call(const char* op, const at::Tensor& input, at::ScalarType wt, int64_t K, int64_t N,
+                       const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(input.scalar_type() == at::kFloat && (wt == at::kFloat || wt == at::kHalf || wt == at::kBFloat16),
-              "eagle31::bi_linear: float32 input and a float32, float16 or bfloat16 weight required, got ",
-              input.scalar_type(), " and ", wt);
+              op, ": float32 input and a float32, float16 or bfloat16 weight required, got ", input.scalar_type(),
+              " and ", wt);
+  LinearCall c;
+  c.M = c10::multiply_integers(input.sizes().begin(), input.sizes().end() - 1);
+  c.x = input.reshape({c.M, K}).contiguous();
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N, op, ": bias must be float32 [N] = [", N,
+                "], got ", bias->sizes());
+    c.b = bias->contiguous();
+  }
+  c.out_shape.assign(input.sizes().begin(), input.sizes().end());
+  c.out_shape.back() = N;
+  c.y = at::empty({c.M, N}, c.x.options());
+  c.done = c.M == 0 || N == 0 || K == 0;
+  if (K == 0 && c.M > 0 && N > 0) {   // an empty sum: the bias, or zeros
+    if (c.b.defined()) c.y.copy_(c.b.expand({c.M, N})); else c.y.zero_();
+  }
+  return c;
+}
+
+template <typename F>
+void by_weight_type(const at::Tensor& w, F&& run) {
+  if (w.scalar_type() == at::kHalf)
+    run(w.data_ptr<at::Half>());
+  else if (w.scalar_type() == at::kBFloat16)
+    run(w.data_ptr<at::BFloat16>());
+  else
+    run(w.data_ptr<float>());
+}
+
+at::Tensor bi_linear(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(weight.dim() == 2 && input.dim() >= 1 && input.size(-1) == weight.size(1),
               "eagle31::bi_linear: input [..., K] and weight [N, K] expected, got ", input.sizes(), " and ",
               weight.sizes());
   const int64_t K = weight.size(1), N = weight.size(0);
-  const int64_t M = c10::multiply_integers(input.sizes().begin(), input.sizes().end() - 1);
-  const at::Tensor x = input.reshape({M, K}).contiguous();
+  LinearCall c = linear_call("eagle31::bi_linear", input, weight.scalar_type(), K, N, bias);
+  if (c.done) return c.y.reshape(c.out_shape);
   const at::Tensor w = weight.contiguous();
-  at::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N,
-                "eagle31::bi_linear: bias must be float32 [N] = [", N, "], got ", bias->sizes());
-    b = bias->contiguous();
-  }
-  std::vector<int64_t> out_shape(input.sizes().begin(), input.sizes().end());
-  out_shape.back() = N;
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y.reshape(out_shape);
-  if (K == 0) {   // an empty sum: the bias, or zeros
-    if (b.defined()) y.copy_(b.expand({M, N})); else y.zero_();
-    return y.reshape(out_shape);
-  }
   // Column blocks of a multiple of 8 (the tile widths 4 and 8) whose weights (~128 KiB) stay in L2
   // while every row tile passes over them.
   const int64_t block = std::max<int64_t>(8, (32768 / std::max<int64_t>(K, 1)) / 8 * 8);
   const int64_t blocks = (N + block - 1) / block;
-  const float* xp = x.data_ptr<float>();
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  const auto run = [&](const auto* wp) {
+  const float* xp = c.xp();
+  const float* bp = c.bp();
+  float* yp = c.yp();
+  const int64_t M = c.M;
+  by_weight_type(w, [&](const auto* wp) {
     at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
       for (int64_t i = b0; i < b1; ++i)
         linear_block(xp, M, K, wp, bp, yp, N, i * block, std::min(N, (i + 1) * block));
     });
-  };
-  if (wt == at::kHalf)
-    run(w.data_ptr<at::Half>());
-  else if (wt == at::kBFloat16)
-    run(w.data_ptr<at::BFloat16>());
-  else
-    run(w.data_ptr<float>());
-  return y.reshape(out_shape);
+  });
+  return c.y.reshape(c.out_shape);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// bi_linear_packed: bi_linear over a weight repacked as panels of 4 columns, [N/4][K/8][4][8]: for each 8-wide
+// k block, the 8 values of column 0, then of columns 1, 2, 3. A tile of 4 columns then reads one contiguous
+// stream instead of four rows K floats apart (a one-token step streams its weights from DRAM: measured 1.6-1.8x
+// faster at 1 thread on SmolLM2's shapes). Every output element runs bi_linear's very sequence (the same 8 lanes
+// of k, the same FMAs in ascending k, the same hsum), so the two give identical bits; K must be a multiple of 8
+// and N of 4 (kernels/batch_invariant.py packs only such weights).
+
+template <int MR, typename W>
+inline void packed_tile(const float* x, int64_t K, const W* panel, const float* bias, float* y, int64_t ldy) {
+  Vec acc[MR][4];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) acc[i][j] = vzero();
+  for (int64_t k = 0; k < K; k += kLanes, panel += 4 * kLanes) {
+    Vec wv[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) wv[j] = wload(panel + j * kLanes);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const Vec xv = vload(x + i * K + k);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) acc[i][j] = vfma(xv, wv[j], acc[i][j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      float s = hsum(acc[i][j]);
+      if (bias != nullptr) s = s + bias[j];
+      y[i * ldy + j] = s;
+    }
+}
+
+at::Tensor bi_linear_packed(const at::Tensor& input, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 4 && packed.size(3) == kLanes && input.dim() >= 1 &&
+                  input.size(-1) == packed.size(1) * kLanes,
+              "eagle31::bi_linear_packed: input [..., K] and a weight packed as [N/4, K/8, 4, 8] expected, got ",
+              input.sizes(), " and ", packed.sizes());
+  const int64_t K = input.size(-1), N = packed.size(0) * 4;
+  LinearCall c = linear_call("eagle31::bi_linear_packed", input, packed.scalar_type(), K, N, bias);
+  if (c.done) return c.y.reshape(c.out_shape);
+  const at::Tensor w = packed.contiguous();
+  const float* xp = c.xp();
+  const float* bp = c.bp();
+  float* yp = c.yp();
+  const int64_t M = c.M, panels = N / 4;
+  by_weight_type(w, [&](const auto* wp) {
+    // threads split panels (output columns); each panel (K x 4 weights) is read by every row tile in turn
+    at::parallel_for(0, panels, 16, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const auto* panel = wp + p * K * 4;
+        const float* pb = bp ? bp + p * 4 : nullptr;
+        int64_t m = 0;
+        for (; m + 2 <= M; m += 2) packed_tile<2>(xp + m * K, K, panel, pb, yp + m * N + p * 4, N);
+        if (m < M) packed_tile<1>(xp + m * K, K, panel, pb, yp + m * N + p * 4, N);
+      }
+    });
+  });
+  return c.y.reshape(c.out_shape);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -477,5 +563,6 @@ at::Tensor bi_tree_attention(const at::Tensor& q, const at::Tensor& k_cache, con
 
 TORCH_LIBRARY_IMPL(eagle31, CPU, m) {
   m.impl("bi_linear", &bi_linear);
+  m.impl("bi_linear_packed", &bi_linear_packed);
   m.impl("bi_tree_attention", &bi_tree_attention);
 }
