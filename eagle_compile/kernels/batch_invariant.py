@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import weakref
 from pathlib import Path
 
@@ -145,22 +146,27 @@ class PackedWeights:
         self.bytes = 0
         self.declined = 0
         self._entries: dict[int, tuple[weakref.ref, int, torch.Tensor | None]] = {}
+        self._lock = threading.RLock()     # reentrant: a weakref callback may drop an entry while packing
 
     def __call__(self, weight: torch.Tensor) -> torch.Tensor | None:
         """`weight`'s packed copy, or None (a shape that does not pack, or past the budget)."""
         entry, version = self._entries.get(id(weight)), _version(weight)
         if entry is not None and entry[0]() is weight and entry[1] == version:
             return entry[2]
-        if entry is not None:
-            self._drop(id(weight))
-        size = weight.numel() * weight.element_size()
-        packed = pack_weight(weight) if self.bytes + size <= self.budget else None
-        if packed is None and weight.shape[0] % 4 == 0 and weight.shape[1] % 8 == 0:
-            self.declined += 1
-        self.bytes += 0 if packed is None else size
-        key = id(weight)
-        self._entries[key] = (weakref.ref(weight, lambda _, key=key: self._drop(key)), version, packed)
-        return packed
+        with self._lock:                  # a miss (first use, or changed): one thread packs, the count stays right
+            entry = self._entries.get(id(weight))
+            if entry is not None and entry[0]() is weight and entry[1] == version:
+                return entry[2]
+            if entry is not None:
+                self._drop(id(weight))
+            size = weight.numel() * weight.element_size()
+            packed = pack_weight(weight) if self.bytes + size <= self.budget else None
+            if packed is None and weight.shape[0] % 4 == 0 and weight.shape[1] % 8 == 0:
+                self.declined += 1
+            self.bytes += 0 if packed is None else size
+            key = id(weight)
+            self._entries[key] = (weakref.ref(weight, lambda _, key=key: self._drop(key)), version, packed)
+            return packed
 
     def _drop(self, key: int) -> None:
         entry = self._entries.pop(key, None)
