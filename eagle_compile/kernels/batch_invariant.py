@@ -11,7 +11,7 @@ target programs' linears and attention for them under `numerics="batch_invariant
 
 Two copies of weights change only memory traffic, never a bit: `PackedWeights` keeps each linear weight repacked
 in 4-column panels (`eagle31::bi_linear_packed`, one contiguous stream per tile instead of four rows; a
-one-token SmolLM2 step reads its 538 MB of weights 1.4-1.7x faster at 1 thread, benchmarks/packed_weights.py),
+one-token SmolLM2 step 1.39x faster at 1 thread and 1.32x at 2, benchmarks/packed_weights.py),
 up to a memory budget; `NarrowWeights` keeps float16 (or bfloat16) copies of weights whose every value fits (a
 float16 head run in float32: half the bytes per draft level). Graphs that run as FX code call `linear`, which
 picks the packed copy when there is one.
@@ -137,9 +137,10 @@ def _default_budget() -> int:
 class PackedWeights:
     """Packed copies (`pack_weight`) of the weights batch-invariant linears read, made on first use and kept per
     weight tensor while it lives; a weight changed in place since (`_version`) is packed again. A one-token
-    step reads every weight once from memory, and the packed layout reads it 1.6-1.8x faster at 1 thread with
-    identical bits (cpu/batch_invariant.cpp), at the cost of a second copy of the weights: up to `budget` bytes
-    are packed, weights past it run on `bi_linear` (same bits, slower) and `declined` counts them."""
+    step reads every weight once from memory, and the packed layout makes SmolLM2's step 1.39x faster at 1 thread
+    with identical bits (benchmarks/packed_weights.py; cpu/batch_invariant.cpp), at the cost of a second copy of
+    the weights: up to `budget` bytes are packed, weights past it run on `bi_linear` (same bits, slower) and
+    `declined` counts them."""
 
     def __init__(self, budget: int | None = None) -> None:
         self.budget = _default_budget() if budget is None else budget
@@ -150,15 +151,13 @@ class PackedWeights:
 
     def __call__(self, weight: torch.Tensor) -> torch.Tensor | None:
         """`weight`'s packed copy, or None (a shape that does not pack, or past the budget)."""
-        entry, version = self._entries.get(id(weight)), _version(weight)
-        if entry is not None and entry[0]() is weight and entry[1] == version:
+        if (entry := self._current(weight)) is not None:
             return entry[2]
         with self._lock:                  # a miss (first use, or changed): one thread packs, the count stays right
-            entry = self._entries.get(id(weight))
-            if entry is not None and entry[0]() is weight and entry[1] == version:
+            if (entry := self._current(weight)) is not None:
                 return entry[2]
-            if entry is not None:
-                self._drop(id(weight))
+            self._drop(id(weight))        # a changed weight's stale copy, or nothing
+            version = _version(weight)
             size = weight.numel() * weight.element_size()
             packed = pack_weight(weight) if self.bytes + size <= self.budget else None
             if packed is None and weight.shape[0] % 4 == 0 and weight.shape[1] % 8 == 0:
@@ -180,10 +179,15 @@ class PackedWeights:
             self._drop(key)
         self.declined = 0
 
+    def _current(self, weight: torch.Tensor) -> tuple | None:
+        """`weight`'s entry if it was made for this tensor as it is now (not a dead tensor's id, not stale)."""
+        entry = self._entries.get(id(weight))
+        return entry if entry is not None and entry[0]() is weight and entry[1] == _version(weight) else None
+
     def holds(self, weight: torch.Tensor) -> bool:
         """Whether `weight` (as it is now) has a packed copy here."""
-        entry = self._entries.get(id(weight))
-        return entry is not None and entry[0]() is weight and entry[1] == _version(weight) and entry[2] is not None
+        entry = self._current(weight)
+        return entry is not None and entry[2] is not None
 
     def __len__(self) -> int:
         """How many weights are held packed."""

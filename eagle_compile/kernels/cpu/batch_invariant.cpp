@@ -229,10 +229,10 @@ at::Tensor bi_linear(const at::Tensor& input, const at::Tensor& weight, const st
 // ---------------------------------------------------------------------------------------------------------------
 // bi_linear_packed: bi_linear over a weight repacked as panels of 4 columns, [N/4][K/8][4][8]: for each 8-wide
 // k block, the 8 values of column 0, then of columns 1, 2, 3. A tile of 4 columns then reads one contiguous
-// stream instead of four rows K floats apart (a one-token step streams its weights from DRAM: measured 1.6-1.8x
-// faster at 1 thread on SmolLM2's shapes). Every output element runs bi_linear's very sequence (the same 8 lanes
-// of k, the same FMAs in ascending k, the same hsum), so the two give identical bits; K must be a multiple of 8
-// and N of 4 (kernels/batch_invariant.py packs only such weights).
+// stream instead of four rows K floats apart (a one-token step streams its weights from DRAM: SmolLM2's step
+// 1.39x faster at 1 thread, benchmarks/packed_weights.py). Every output element runs bi_linear's very
+// sequence (the same 8 lanes of k, the same FMAs in ascending k, the same hsum), so the two give identical bits;
+// K must be a multiple of 8 and N of 4 (kernels/batch_invariant.py packs only such weights).
 
 template <int MR, typename W>
 inline void packed_tile(const float* x, int64_t K, const W* panel, const float* bias, float* y, int64_t ldy) {
