@@ -28,8 +28,9 @@ counterpart, `--rounds` rounds, medians; the machine is shared, so read ratios w
 
 `--lowerings`: how eagle31's programs run, a comma list of `auto` (what `inner_backend="auto"` picks), `eager`,
 `inductor` or `inductor:<preset>` (`eagle_compile.lowering.PRESETS`), each optionally followed by
-`@<numerics>` (`auto`, the default; `eager`: the traced ops' kernels; `batch_invariant`). First calls (capture,
-compile) are not timed; their seconds are reported.
+`@<numerics>` (`auto`, the default; `eager`: the traced ops' kernels; `batch_invariant`), and by `+guards` for
+the same programs with dynamo's guards evaluated on every call (as before `eagle_compile.runtime.known_calls`).
+First calls (capture, compile) are not timed; their seconds are reported.
 
 Resumable: every measured row is appended to --out/plain_path.records.jsonl as soon as it is done, and a rerun
 with the same settings (threads, rounds, new tokens, lowerings' meaning, commit) skips the rows already there;
@@ -40,6 +41,7 @@ plain_path.md (tables, paste verbatim), plain_path.png.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -134,8 +136,11 @@ def run_key(args, model) -> dict[str, Any]:
 
 # -- lowerings ---------------------------------------------------------------------------------------------------
 def lowering_options(spec: str) -> dict[str, Any]:
-    """eagle31 options of a `--lowerings` entry: `<backend>[:<preset>][@<numerics>]`, e.g. `auto`,
-    `eager@eager` (MKL, HF eager's rounding), `eager@batch_invariant`, `inductor:cpp-gemm@eager`."""
+    """eagle31 options of a `--lowerings` entry: `<backend>[:<preset>][@<numerics>][+guards]`, e.g. `auto`,
+    `eager@eager` (MKL, HF eager's rounding), `eager@batch_invariant`, `inductor:cpp-gemm@eager`; `+guards`
+    runs the same programs with dynamo's guards evaluated on every call (`runtime.known_calls`: as before
+    direct calls), for a before/after in one process."""
+    spec = spec.removesuffix(GUARDS)
     spec, _, numerics = spec.partition("@")
     extra = {"numerics": numerics} if numerics else {}
     if spec in ("auto", "eager", "inductor"):
@@ -145,6 +150,16 @@ def lowering_options(spec: str) -> dict[str, Any]:
         raise SystemExit(f"--lowerings entry {spec!r}: use auto, eager, inductor or inductor:<preset>, optionally "
                          "followed by @<numerics> (auto, eager, batch_invariant)")
     return {"inner_backend": "inductor", "inductor_config": preset, **extra}
+
+
+GUARDS = "+guards"
+
+
+def guard_scope(spec: str):
+    """The scope a `--lowerings` entry's calls run in: every call through dynamo's guards for `+guards`."""
+    from eagle_compile.runtime.known_calls import guards_every_call
+
+    return guards_every_call() if spec.endswith(GUARDS) else contextlib.nullcontext()
 
 
 def make_lowering(model, spec: str):
@@ -254,7 +269,8 @@ def section_step(model, args, journal: Journal) -> list[dict]:
             if done is not None:
                 rows.append(done)
                 continue
-            curve = cost_curve(model, prefix, args.tokens, args.rounds, 1, lowering=lowering)
+            with guard_scope(spec):
+                curve = cost_curve(model, prefix, args.tokens, args.rounds, 1, lowering=lowering)
             hf = hf_step(model, prefix, args.rounds, 1)["median"]
             c1 = curve[1]["median"]
             row = {"lowering": spec, "prefix": prefix, "hf_step_s": hf, "c1_s": c1, "ratio": c1 / hf,
@@ -339,8 +355,9 @@ def plain_row(model, tokenizer, args, batch: int, hf_static) -> dict:
 
     def eagle(options: dict, spec: str):
         def run():
-            out = eagle_compile.generate(model, ids, attention_mask=mask, options=options, max_new_tokens=new,
-                                         do_sample=False, return_dict_in_generate=True)
+            with guard_scope(spec):
+                out = eagle_compile.generate(model, ids, attention_mask=mask, options=options, max_new_tokens=new,
+                                             do_sample=False, return_dict_in_generate=True)
             stats[spec] = out.stats
             return out.sequences
         return run

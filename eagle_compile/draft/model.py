@@ -33,6 +33,7 @@ from torch import nn
 
 import eagle_compile.kernels  # noqa: F401  (registers torch.ops.eagle31.*)
 from eagle_compile.draft.config import DraftConfig
+from eagle_compile.kernels import kv_write
 
 
 @dataclass
@@ -106,7 +107,7 @@ class DraftAttention(nn.Module):
         attn_mask,  # SlotMask, or [batch, 1, tokens, slots] additive
     ) -> torch.Tensor:
         q, k, v = self.project_qkv(x, cos, sin)
-        torch.ops.eagle31.kv_write(kv.keys, kv.values, write_slots, k, v)
+        kv_write.write(kv.keys, kv.values, write_slots, k, v)
         if not isinstance(attn_mask, torch.Tensor):
             if kv.probe is not None:
                 kv.probe.attention(q, kv.keys, attn_mask, self.head_dim ** -0.5)
@@ -166,7 +167,7 @@ class EagleMidLayer(nn.Module):
         """Only the K/V `forward` writes for these positions (they depend on the layer's input alone)."""
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
         k, v = self.self_attn.project_kv(x, cos, sin)
-        torch.ops.eagle31.kv_write(kv.keys, kv.values, write_slots, k, v)
+        kv_write.write(kv.keys, kv.values, write_slots, k, v)
 
 
 class TargetEmbedding(nn.Module):

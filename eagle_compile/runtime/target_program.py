@@ -21,6 +21,7 @@ import torch
 from eagle_compile.core.masks import SlotMask
 from eagle_compile.lowering import Lowering, eager_lowering
 from eagle_compile.passes import PassContext, run_passes
+from eagle_compile.runtime.known_calls import KnownCalls, tensor_key
 from eagle_compile.runtime.kv_cache import SlotKVCache
 
 
@@ -41,8 +42,9 @@ class TargetProgram:
         self.contexts: list[PassContext] = []
         self._last_taps: tuple[torch.Tensor, ...] | None = None
         self._kind = "step"                # "prefill" for calls with `keep` (read if the call (re)captures)
-        self._compiled = torch.compile(self._forward, backend=self._backend, fullgraph=True, dynamic=False,
-                                       recompile_limit=recompile_limit, isolate_recompiles=True)
+        self._compiled = KnownCalls(self._forward, torch.compile(
+            self._forward, backend=self._backend, fullgraph=True, dynamic=False, recompile_limit=recompile_limit,
+            isolate_recompiles=True))
 
     def _forward(self, input_ids, position_ids, base, local, slots: int, write_slots, cache, keep=None):
         kept = {} if keep is None else {"logits_to_keep": keep}
@@ -73,13 +75,22 @@ class TargetProgram:
                  write_slots: torch.Tensor, cache: SlotKVCache,
                  keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         self._last_taps, self._kind = None, ("step" if keep is None else "prefill")
+        args = (input_ids, position_ids, mask.base, mask.local, mask.slots, write_slots, cache, keep)
         with self.lowering.tracing(self._kind):
-            logits = self._compiled(input_ids, position_ids, mask.base, mask.local, mask.slots, write_slots, cache,
-                                    keep)
+            logits = self._compiled(self._call_key(args), *args)
         taps, self._last_taps = self._last_taps, None
         if taps is None:
             raise RuntimeError("the captured target program ran without producing feature taps")
         return logits, torch.cat(taps, dim=-1)
+
+    @staticmethod
+    def _call_key(args: tuple) -> tuple:
+        """What selects this call's graph (`KnownCalls`): the arguments' shapes, dtypes and None-ness, the slot
+        count, and the cache's layout (its tensors' shape and dtype, its type)."""
+        cache = args[6]
+        layer = cache.layers[0].keys
+        return (*(tensor_key(a) for a in args[:6]), tensor_key(args[7]), type(cache), len(cache.layers),
+                tensor_key(layer))
 
     @property
     def graphs_captured(self) -> int:
