@@ -16,7 +16,12 @@ up to a memory budget; `NarrowWeights` keeps float16 (or bfloat16) copies of wei
 float16 head run in float32: half the bytes per draft level). Graphs that run as FX code call `linear`, which
 picks the packed copy when there is one.
 
-The C++ source is compiled on first use with `torch.utils.cpp_extension.load` (g++ and ninja; ~25 s on a
+The same build carries two fused elementwise ops (`cpu/elementwise.cpp`), exact fusions rather than new
+numerics: `eagle31::rope` (HF's `q * cos + rotate_half(q) * sin`) and `eagle31::rms_scale` (the tail of HF's
+RMSNorm, `weight * (x * rsqrt(variance + eps))`) perform the traced chains' own roundings in one loop, so
+passes/fuse_elementwise.py can swap them in without moving a bit.
+
+The C++ sources are compiled on first use with `torch.utils.cpp_extension.load` (g++ and ninja; ~25 s on a
 2-core machine), then cached by torch in `TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`; delete
 it to force a rebuild). The build's name carries the torch version and the instruction set, so a torch upgrade
 builds afresh instead of loading a library compiled against other headers. AVX2+FMA code where the CPU has it,
@@ -36,9 +41,12 @@ import torch
 import torch.nn.functional as F
 
 SOURCE = Path(__file__).parent / "cpu" / "batch_invariant.cpp"
+ELEMENTWISE_SOURCE = Path(__file__).parent / "cpu" / "elementwise.cpp"
 
 torch.library.define("eagle31::bi_linear", "(Tensor input, Tensor weight, Tensor? bias) -> Tensor")
 torch.library.define("eagle31::bi_linear_packed", "(Tensor input, Tensor packed, Tensor? bias) -> Tensor")
+torch.library.define("eagle31::rope", "(Tensor x, Tensor cos, Tensor sin) -> Tensor")
+torch.library.define("eagle31::rms_scale", "(Tensor x, Tensor variance, Tensor weight, float eps) -> Tensor")
 torch.library.define("eagle31::bi_tree_attention",
                      "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor base, Tensor? local, float scale) -> Tensor")
 
@@ -54,6 +62,16 @@ def _(input, weight, bias):
 @torch.library.register_fake("eagle31::bi_linear_packed")
 def _(input, packed, bias):
     return input.new_empty((*input.shape[:-1], packed.shape[0] * 4))
+
+
+@torch.library.register_fake("eagle31::rope")
+def _(x, cos, sin):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("eagle31::rms_scale")
+def _(x, variance, weight, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("eagle31::bi_tree_attention")
@@ -85,8 +103,8 @@ def load() -> str:
     version = "".join(c if c.isalnum() else "_" for c in torch.__version__)
     name = f"eagle31_batch_invariant_{'avx2' if '-mavx2' in flags else 'portable'}_torch{version}"
     try:
-        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                           is_python_module=False,
+        cpp_extension.load(name=name, sources=[str(SOURCE), str(ELEMENTWISE_SOURCE)], extra_cflags=flags,
+                           extra_ldflags=["-fopenmp"], is_python_module=False,
                            verbose=os.environ.get("EAGLE31_BUILD_VERBOSE", "") not in ("", "0"))
     except Exception as e:  # a missing compiler/ninja surfaces as RuntimeError or OSError from cpp_extension
         raise BuildError(f"numerics='batch_invariant' needs its C++ kernels, which did not build here "

@@ -40,7 +40,8 @@ def test_taps_equal_output_hidden_states_at_capture_indices(arch):
     assert torch.allclose(feats, expected, atol=1e-12, rtol=0)
     assert torch.allclose(logits, ref.logits, atol=1e-12, rtol=0)     # original output untouched
     ctx = program.contexts[0]
-    assert ctx.counts == {"locate_layers": 8, "tap_features": 3, "tree_attention": 8, "batch_invariant": 0}
+    assert ctx.counts == {"locate_layers": 8, "tap_features": 3, "tree_attention": 8, "batch_invariant": 0,
+                          "fuse_elementwise": 0}
     assert ctx.architecture == type(model).__name__
 
 
@@ -87,7 +88,8 @@ def _last_layer_output(model, tokens):
 
 
 def test_pass_order_is_one_list():
-    assert [p.__name__ for p in PASSES] == ["locate_layers", "tap_features", "tree_attention", "batch_invariant"]
+    assert [p.__name__ for p in PASSES] == ["locate_layers", "tap_features", "tree_attention", "batch_invariant",
+                                            "fuse_elementwise"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -39,7 +39,8 @@ def test_step_passes_rewrite_the_expected_sites():
     decoder_counts = _counts_after_generate(target, head, ids, mask)
     layers, depth = 8, SHAPE["depth"]
     assert [p.__name__ for p in STEP_PASSES] == ["locate_layers", "tap_features", "static_kv", "draft_subgraph",
-                                                 "accept_subgraph", "tree_attention", "batch_invariant"]
+                                                 "accept_subgraph", "tree_attention", "batch_invariant",
+                                                 "fuse_elementwise"]
     assert decoder_counts == {
         "locate_layers": layers,
         "tap_features": 3,                          # three capture-index taps into one marker
@@ -48,6 +49,7 @@ def test_step_passes_rewrite_the_expected_sites():
         "accept_subgraph": 1 + layers,              # accept_greedy, a kv_compact per layer
         "tree_attention": layers,                   # target layers (the draft calls the op itself)
         "batch_invariant": 0,                       # float64: numerics "auto" keeps the traced kernels
+        "fuse_elementwise": 0,                      # (and the traced elementwise chains)
     }
 
 
