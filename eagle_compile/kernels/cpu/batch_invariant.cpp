@@ -358,6 +358,26 @@ inline float dot(const float* a, const float* b, int64_t D) {
   return s;
 }
 
+// dot(q, k_j) for four keys at once: four independent accumulator chains (one FMA chain alone waits on its own
+// latency), each running `dot`'s very sequence, so out[j] == dot(q, k_j, D) bit for bit.
+inline void dot4(const float* q, const float* const* k, int64_t D, float* out) {
+  Vec a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+  const int64_t d8 = D - D % kLanes;
+  for (int64_t d = 0; d < d8; d += kLanes) {
+    const Vec qv = vload(q + d);
+    a0 = vfma(qv, vload(k[0] + d), a0);
+    a1 = vfma(qv, vload(k[1] + d), a1);
+    a2 = vfma(qv, vload(k[2] + d), a2);
+    a3 = vfma(qv, vload(k[3] + d), a3);
+  }
+  out[0] = hsum(a0);
+  out[1] = hsum(a1);
+  out[2] = hsum(a2);
+  out[3] = hsum(a3);
+  for (int j = 0; j < 4; ++j)
+    for (int64_t d = d8; d < D; ++d) out[j] = std::fma(q[d], k[j][d], out[j]);
+}
+
 struct AttentionArgs {
   const float* q;
   const float* k;
@@ -422,13 +442,19 @@ void attention_tile(const AttentionArgs& a, int64_t b, int64_t h0, int64_t h1, i
       float* p = &sc.p[r * cap];
       int64_t n = sc.n[r];
       float m = sc.m[r];
-      for (int64_t s = s0; s < s1; ++s) {
-        if (s >= base && !a.sees(b, t, s - base)) continue;
-        const float x = dot(q, kb + s * a.sk[2], D) * a.scale;
-        p[n++] = x;
+      const float* keys[kKeyBlock];     // the block's visible keys, in list order
+      int64_t count = 0;
+      for (int64_t s = s0; s < s1; ++s)
+        if (s < base || a.sees(b, t, s - base)) keys[count++] = kb + s * a.sk[2];
+      int64_t i = 0;
+      for (; i + 4 <= count; i += 4) dot4(q, keys + i, D, p + n + i);
+      for (; i < count; ++i) p[n + i] = dot(q, keys[i], D);
+      for (i = 0; i < count; ++i) {
+        const float x = p[n + i] * a.scale;
+        p[n + i] = x;
         m = (x > m || x != x) ? x : m;   // a NaN score makes the row's max (and output) NaN, like the reference
       }
-      sc.n[r] = n;
+      sc.n[r] = n + count;
       sc.m[r] = m;
     }
   }
