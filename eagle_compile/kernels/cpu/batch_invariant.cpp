@@ -234,14 +234,29 @@ at::Tensor bi_linear(const at::Tensor& input, const at::Tensor& weight, const st
 // sequence (the same 8 lanes of k, the same FMAs in ascending k, the same hsum), so the two give identical bits;
 // K must be a multiple of 8 and N of 4 (kernels/batch_invariant.py packs only such weights).
 
+// `ahead` (or null) walks beside `panel` and is only prefetched, never read by the arithmetic: in a call of several
+// rows, the first row tile streams the panel from memory and the others compute from L1, so the last one
+// prefetches the next panel (and the others a little ahead in their own) to keep memory busy meanwhile. A
+// one-row call is a pure stream, which the hardware prefetcher follows by itself (null: no prefetch).
+inline void prefetch(const void* p, size_t bytes) {
+#ifdef EAGLE31_AVX2
+  for (size_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(p) + b, _MM_HINT_T0);
+#endif
+}
+
 template <int MR, typename W>
-inline void packed_tile(const float* x, int64_t K, const W* panel, const float* bias, float* y, int64_t ldy) {
+inline void packed_tile(const float* x, int64_t K, const W* panel, const float* bias, float* y, int64_t ldy,
+                        const W* ahead) {
   Vec acc[MR][4];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) acc[i][j] = vzero();
   for (int64_t k = 0; k < K; k += kLanes, panel += 4 * kLanes) {
+    if (ahead != nullptr) {
+      prefetch(ahead, 4 * kLanes * sizeof(W));
+      ahead += 4 * kLanes;
+    }
     Vec wv[4];
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) wv[j] = wload(panel + j * kLanes);
@@ -262,6 +277,8 @@ inline void packed_tile(const float* x, int64_t K, const W* panel, const float* 
     }
 }
 
+constexpr int64_t kPrefetchAhead = 512;   // weights ahead (2 KiB of float32) within a panel
+
 at::Tensor bi_linear_packed(const at::Tensor& input, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 4 && packed.size(3) == kLanes && input.dim() >= 1 &&
                   input.size(-1) == packed.size(1) * kLanes,
@@ -281,9 +298,12 @@ at::Tensor bi_linear_packed(const at::Tensor& input, const at::Tensor& packed, c
       for (int64_t p = p0; p < p1; ++p) {
         const auto* panel = wp + p * K * 4;
         const float* pb = bp ? bp + p * 4 : nullptr;
+        const auto* next = M > 1 ? panel + K * 4 : nullptr;   // the last row tile prefetches the next panel
+        const auto* within = panel + kPrefetchAhead;          // the others a little ahead in their own
         int64_t m = 0;
-        for (; m + 2 <= M; m += 2) packed_tile<2>(xp + m * K, K, panel, pb, yp + m * N + p * 4, N);
-        if (m < M) packed_tile<1>(xp + m * K, K, panel, pb, yp + m * N + p * 4, N);
+        for (; m + 2 <= M; m += 2)
+          packed_tile<2>(xp + m * K, K, panel, pb, yp + m * N + p * 4, N, m + 2 < M ? within : next);
+        if (m < M) packed_tile<1>(xp + m * K, K, panel, pb, yp + m * N + p * 4, N, next);
       }
     });
   });
