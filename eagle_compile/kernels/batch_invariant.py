@@ -23,15 +23,18 @@ passes/fuse_elementwise.py can swap them in without moving a bit.
 
 The C++ sources are compiled on first use with `torch.utils.cpp_extension.load` (g++ and ninja; ~25 s on a
 2-core machine), then cached by torch in `TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`; delete
-it to force a rebuild). The build's name carries the torch version and the instruction set, so a torch upgrade
-builds afresh instead of loading a library compiled against other headers. AVX2+FMA code where the CPU has it,
-portable C++ otherwise (both batch-invariant; the two round differently from each other, so compare results on
-one machine).
+it to force a rebuild). The build's name carries the torch version, the instruction set and a digest of the
+sources, so a torch upgrade or a kernel change builds afresh into its own folder instead of loading (or
+overwriting under a running process) a library compiled from other code; the name is part of `explain`'s
+numerics line, so measured calibration costs (keyed by the lowering's description) follow the kernels too.
+AVX2+FMA code where the CPU has it, portable C++ otherwise (both batch-invariant; the two round differently
+from each other, so compare results on one machine).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import threading
 import weakref
@@ -101,9 +104,11 @@ def load() -> str:
     _ninja_on_path()
     flags = _flags()
     version = "".join(c if c.isalnum() else "_" for c in torch.__version__)
-    name = f"eagle31_batch_invariant_{'avx2' if '-mavx2' in flags else 'portable'}_torch{version}"
+    sources = [SOURCE, ELEMENTWISE_SOURCE]
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in sources)).hexdigest()[:10]
+    name = f"eagle31_batch_invariant_{'avx2' if '-mavx2' in flags else 'portable'}_torch{version}_{digest}"
     try:
-        cpp_extension.load(name=name, sources=[str(SOURCE), str(ELEMENTWISE_SOURCE)], extra_cflags=flags,
+        cpp_extension.load(name=name, sources=[str(path) for path in sources], extra_cflags=flags,
                            extra_ldflags=["-fopenmp"], is_python_module=False,
                            verbose=os.environ.get("EAGLE31_BUILD_VERBOSE", "") not in ("", "0"))
     except Exception as e:  # a missing compiler/ninja surfaces as RuntimeError or OSError from cpp_extension
