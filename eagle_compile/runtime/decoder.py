@@ -213,7 +213,9 @@ class SpeculativeDecoder:
 
     def session(self, prompts: list[torch.Tensor], stopper: StopChecker, sampling: RowSettings,
                 generator: torch.Generator | None = None, inputs=None, **kwargs) -> DecodeSession:
-        """A batch in flight, prefilled: cycle it, join rows into it, regroup it (`runtime/session.py`)."""
+        """A batch in flight, prefilled: cycle it, join rows into it, regroup it (`runtime/session.py`). Each
+        starts by having the target program check its guards once per shape (the model may have changed)."""
+        self.program.revalidate()
         return DecodeSession(self, prompts, stopper, sampling, generator, inputs, **kwargs)
 
     def tree_stats(self) -> dict:

@@ -18,9 +18,11 @@ reads the model's parameters and the caches from the arguments at call time (a p
 place is read as it is now).
 
 What the key must hold: everything that selects a different graph, i.e. every tensor argument's shape and
-dtype, and every non-tensor argument dynamo specialises on (None-ness, ints). What it does not cover is a change
-of the model's code path after the first call (its module structure, or a config field the forward branches
-on): a decoder assumes those fixed, as HF's generate does within a call; build a new decoder after such a change.
+dtype, and every non-tensor argument dynamo specialises on (None-ness, ints). What the key cannot see is a change
+of the model's code path (a module swapped, say by a LoRA wrapper; a config field the forward branches on):
+`revalidate()` makes each key's next call run dynamo's full guard check of its entry once (~1 ms), and a
+decoder calls it as each batch starts, so such a change between calls is caught there (the call goes through
+dynamo, which compiles the new graph); within one batch the model is taken as fixed, as HF's generate takes it.
 `EAGLE31_DIRECT_CALLS=0` turns the direct calls off (every call evaluates the guards).
 """
 
@@ -31,6 +33,7 @@ import os
 import threading
 import types
 from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -72,16 +75,29 @@ class KnownCalls:
         self.globals = func.__globals__
         self.bound = getattr(fn, "__self__", None)     # a bound method's instance: the code's first argument
         self.compiled = compiled
-        self.direct: dict[Hashable, list[tuple[Any, Any, Callable]]] = {}
+        self.direct: dict[Hashable, list[Direct]] = {}
         self.direct_calls = 0           # calls that skipped the guards (tests and stats read it)
         self.enabled = True             # False: every call evaluates dynamo's guards (benchmarks compare both)
+        self.epoch = 0                  # `revalidate` moves it: each key's next call checks the guards once
         _install_hook()
 
+    def revalidate(self) -> None:
+        """The next call of each key evaluates its graph's guards once more (a decoder calls this as each batch
+        starts): a model changed between calls (a module swapped, a config field set) is seen there."""
+        self.epoch += 1
+
     def __call__(self, key: Hashable, *args):
-        for state, device, run in self.direct.get(key, ()) if self.enabled and ENABLED else ():
-            if state.check() and device == torch.get_default_device() and not _modes_active():
-                self.direct_calls += 1
-                return run(*args) if self.bound is None else run(self.bound, *args)
+        entries = self.direct.get(key, []) if self.enabled and ENABLED else []
+        for i, direct in enumerate(entries):
+            if not direct.state.check() or direct.device != torch.get_default_device() or _modes_active():
+                continue
+            if direct.epoch != self.epoch:
+                if not self._guards_pass(direct.code, args):
+                    del entries[i]                     # another graph is due: dynamo finds or compiles it
+                    break
+                direct.epoch = self.epoch
+            self.direct_calls += 1
+            return direct.run(*args) if self.bound is None else direct.run(self.bound, *args)
         previous = getattr(_pending, "call", None), getattr(_pending, "code", None)
         _pending.call, _pending.code = ((self, key) if not _modes_active() else None), None
         try:
@@ -92,15 +108,37 @@ class KnownCalls:
         finally:
             _pending.call, _pending.code = previous
 
-    def _record(self, key: Hashable, new_code: types.CodeType) -> None:
-        run = types.FunctionType(new_code, self.globals)
+    def _record(self, key: Hashable, code: types.CodeType) -> None:
+        # The code reads the compiled graph from globals dynamo installed in the module for it, and deletes when
+        # its cache entry goes (torch._dynamo.reset(), eviction): the code runs over a copy taken now.
+        run = types.FunctionType(code, dict(self.globals))
         state = torch._C._dynamo.guards.GlobalStateGuard()    # grad mode, autocast, threads, ... of this call
         kept = self.direct.get(key, [])[:MAX_STATES - 1]
-        self.direct[key] = [(state, torch.get_default_device(), run), *kept]
+        self.direct[key] = [Direct(state, torch.get_default_device(), code, run, self.epoch), *kept]
 
-    def clear(self) -> None:
-        """Forget the recorded code (calls go through dynamo's guards again until they recompile)."""
-        self.direct.clear()
+    def _guards_pass(self, code: types.CodeType, args: tuple) -> bool:
+        """Dynamo's full guard check of the cache entry that holds `code`, on these arguments (False when the
+        entry is gone)."""
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        values = args if self.bound is None else (self.bound, *args)
+        names = self.code.co_varnames[:self.code.co_argcount]
+        for entry in _debug_get_cache_entry_list(self.code):
+            if entry.code is code:
+                return bool(entry.guard_manager.check(dict(zip(names, values, strict=True))))
+        return False
+
+
+@dataclass
+class Direct:
+    """A key's compiled code under one global state: `run` calls `code`; `epoch` is the last `revalidate` epoch
+    in which its guards were checked."""
+
+    state: Any
+    device: torch.device
+    code: types.CodeType
+    run: Callable
+    epoch: int
 
 
 @contextlib.contextmanager

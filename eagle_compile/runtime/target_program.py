@@ -83,6 +83,10 @@ class TargetProgram:
             raise RuntimeError("the captured target program ran without producing feature taps")
         return logits, torch.cat(taps, dim=-1)
 
+    def revalidate(self) -> None:
+        """Each program shape's next call checks dynamo's guards once (`KnownCalls.revalidate`)."""
+        self._compiled.revalidate()
+
     @staticmethod
     def _call_key(args: tuple) -> tuple:
         """What selects this call's graph (`KnownCalls`): the arguments' shapes, dtypes and None-ness, the slot

@@ -54,6 +54,8 @@ def test_a_compiled_key_runs_directly_and_gives_the_same_values():
     assert calls.direct_calls == 1 and backend.runs == 2     # the compiled graph ran, dynamo's guards did not
     torch.testing.assert_close(first, affine(x, w, 2), rtol=0, atol=0)
     torch.testing.assert_close(again, affine(x2, w, 2), rtol=0, atol=0)
+    torch._dynamo.reset()                 # dynamo drops its cache entries and the globals their code reads
+    assert torch.equal(call(calls, x2, w, 2), affine(x2, w, 2)) and calls.direct_calls == 2
 
 
 def test_a_new_shape_or_constant_compiles_its_own_graph():
@@ -127,3 +129,31 @@ def test_target_program_steps_skip_the_guards_with_unchanged_bits():
     assert program._compiled.direct_calls == 2
     program._compiled.enabled = False
     assert torch.equal(changed[0], step(6, token)[0]) and not torch.equal(changed[0], control[0])
+
+
+def test_a_module_swapped_between_batches_is_seen_at_revalidation():
+    model = tiny_target("llama", seed=4, dtype=torch.float32)
+    program = TargetProgram(model, None, lowering=Lowering(numerics="batch_invariant"))
+    slots = 16
+    cache = SlotKVCache(model.config, 1, slots, dtype=torch.float32, device="cpu")
+    token = torch.tensor([[5]])
+    n = torch.zeros(1, dtype=torch.long)
+
+    def step():
+        return program(token, n[:, None], SlotMask.causal(n, slots), n[:, None], cache)[0]
+
+    before = step()
+    step()
+    assert program._compiled.direct_calls == 1
+    model.model.layers[0].mlp.act_fn = torch.nn.Tanh()        # what a wrapper (LoRA, a patch) would do
+    program.revalidate()                                      # a decoder does this as each batch starts
+    after = step()                                            # the stale graph's guards fail: dynamo compiles
+    assert program._compiled.direct_calls == 1 and program.graphs_captured == 2
+    assert not torch.equal(after, before)
+    again = step()                                            # the new graph, directly
+    assert program._compiled.direct_calls == 2 and torch.equal(again, after)
+    program._compiled.enabled = False
+    assert torch.equal(step(), after)                         # what dynamo's own lookup runs
+    program.revalidate()
+    program._compiled.enabled = True
+    assert torch.equal(step(), after) and program._compiled.direct_calls == 3   # unchanged: checked, still direct
