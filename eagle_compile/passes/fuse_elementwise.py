@@ -1,8 +1,7 @@
 """fuse_elementwise: a traced layer's RoPE and RMSNorm tails become one exact op each; no-op casts go.
 
 A program that runs as FX code pays a Python line and a dispatch for every node, and a SmolLM2 step has ~2,000
-of them around its 211 linears: ~4 ms of an 18 ms step at 2 threads once dynamo's guards are skipped. Most are
-elementwise chains HF writes op by op. Under numerics="batch_invariant" (float32 CPU, the C++ kernels built)
+of them around its 211 linears, most in elementwise chains HF writes op by op. Under numerics="batch_invariant" (float32 CPU, the C++ kernels built)
 this pass rewrites three shapes of them, each into something that computes the same bits:
 
 * `x.to(dtype)` where x already has that dtype: the cast returns x itself; its uses read x.
@@ -13,7 +12,8 @@ this pass rewrites three shapes of them, each into something that computes the s
 The ops (kernels/cpu/elementwise.cpp) perform the chains' own float32 operations in their order, with no fused
 multiply-add, so logits and taps are bit-identical with and without this pass (tests/passes/test_fuse_elementwise.py
 on four architectures and the real target). Patterns that do not match exactly (another norm, a partial rotary
-dimension, other dtypes) are left as traced. 30 SmolLM2 layers: ~1,000 nodes fewer per step.
+dimension, other dtypes) are left as traced. A SmolLM2 step program gets 121 rewrites (61 norms, 60 RoPE of q
+or k, each 4-7 nodes) and loses its float32 -> float32 casts.
 """
 
 from __future__ import annotations

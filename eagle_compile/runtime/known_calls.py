@@ -2,8 +2,8 @@
 
 Every call of a `torch.compile`d function first evaluates the guards of its cached graphs. For a target program
 that is ~4,000 checks (a TENSOR_MATCH per parameter and cache tensor, dict and type checks along the paths to
-them, 43 Python lambdas): 1.1-1.2 ms of SmolLM2's 18 ms plain step at 2 threads (torch.profiler, "TorchDynamo
-Cache Lookup"). A decoder calls the same few program shapes thousands of times, and it knows each call's shape
+them, 43 Python lambdas): 1.1 ms a token of SmolLM2's 17.7 ms plain decoding step at batch 1, 2 threads
+(docs/BENCHMARKS.md, `benchmarks/plain_path.py`'s `+guards` lowering). A decoder calls the same few program shapes thousands of times, and it knows each call's shape
 exactly, so after the first call of a shape has compiled, later calls of that shape run dynamo's transformed
 code for it directly. This is what vLLM does with its compiled models (it swaps the compiled bytecode in and
 dispatches to it itself); torch's own `set_stance(skip_guard_eval_unsafe=True)` is a process-wide flag that
@@ -76,8 +76,7 @@ class KnownCalls:
         self.bound = getattr(fn, "__self__", None)     # a bound method's instance: the code's first argument
         self.compiled = compiled
         self.direct: dict[Hashable, list[Direct]] = {}
-        self.direct_calls = 0           # calls that skipped the guards (tests and stats read it)
-        self.enabled = True             # False: every call evaluates dynamo's guards (benchmarks compare both)
+        self.direct_calls = 0           # calls that skipped the guards (tests read it)
         self.epoch = 0                  # `revalidate` moves it: each key's next call checks the guards once
         _install_hook()
 
@@ -87,7 +86,7 @@ class KnownCalls:
         self.epoch += 1
 
     def __call__(self, key: Hashable, *args):
-        entries = self.direct.get(key, []) if self.enabled and ENABLED else []
+        entries = self.direct.get(key, []) if ENABLED else []
         for i, direct in enumerate(entries):
             if not direct.state.check() or direct.device != torch.get_default_device() or _modes_active():
                 continue

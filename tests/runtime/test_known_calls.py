@@ -8,7 +8,7 @@ from tiny import tiny_target
 
 from eagle_compile.core.masks import SlotMask
 from eagle_compile.lowering import Lowering
-from eagle_compile.runtime.known_calls import KnownCalls, tensor_key
+from eagle_compile.runtime.known_calls import KnownCalls, guards_every_call, tensor_key
 from eagle_compile.runtime.kv_cache import SlotKVCache
 from eagle_compile.runtime.target_program import TargetProgram
 
@@ -94,8 +94,7 @@ def test_a_changed_global_state_or_an_active_mode_goes_through_the_guards():
     with torch.no_grad():
         call(calls, x, w, 2)
     assert calls.direct_calls == 1
-    calls.enabled = False                                    # the switch benchmarks use
-    with torch.no_grad():
+    with torch.no_grad(), guards_every_call():               # the switch benchmarks use
         call(calls, x, w, 2)
     assert calls.direct_calls == 1
 
@@ -118,17 +117,16 @@ def test_target_program_steps_skip_the_guards_with_unchanged_bits():
     assert program._compiled.direct_calls == 0
     outs.append(step(6, token))                              # the same step again: direct
     assert program._compiled.direct_calls == 1
-    program._compiled.enabled = False
-    control = step(6, token)                                 # through dynamo's guards: the same bits
+    with guards_every_call():
+        control = step(6, token)                             # through dynamo's guards: the same bits
     for a, b in zip(outs[1], control, strict=True):
         assert torch.equal(a, b)
-    program._compiled.enabled = True
     with torch.no_grad():
         model.model.layers[0].mlp.down_proj.weight.mul_(2)   # changed in place: read as it is now
     changed = step(6, token)
     assert program._compiled.direct_calls == 2
-    program._compiled.enabled = False
-    assert torch.equal(changed[0], step(6, token)[0]) and not torch.equal(changed[0], control[0])
+    with guards_every_call():
+        assert torch.equal(changed[0], step(6, token)[0]) and not torch.equal(changed[0], control[0])
 
 
 def test_a_module_swapped_between_batches_is_seen_at_revalidation():
@@ -152,8 +150,7 @@ def test_a_module_swapped_between_batches_is_seen_at_revalidation():
     assert not torch.equal(after, before)
     again = step()                                            # the new graph, directly
     assert program._compiled.direct_calls == 2 and torch.equal(again, after)
-    program._compiled.enabled = False
-    assert torch.equal(step(), after)                         # what dynamo's own lookup runs
+    with guards_every_call():
+        assert torch.equal(step(), after)                     # what dynamo's own lookup runs
     program.revalidate()
-    program._compiled.enabled = True
     assert torch.equal(step(), after) and program._compiled.direct_calls == 3   # unchanged: checked, still direct
