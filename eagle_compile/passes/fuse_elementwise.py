@@ -1,8 +1,9 @@
 """fuse_elementwise: a traced layer's RoPE and RMSNorm tails become one exact op each; no-op casts go.
 
 A program that runs as FX code pays a Python line and a dispatch for every node, and a SmolLM2 step has ~2,000
-of them around its 211 linears, most in elementwise chains HF writes op by op. Under numerics="batch_invariant" (float32 CPU, the C++ kernels built)
-this pass rewrites three shapes of them, each into something that computes the same bits:
+of them around its 211 linears, most in elementwise chains HF writes op by op. Under numerics="batch_invariant"
+(float32 CPU, the C++ kernels built) this pass rewrites three shapes of them, each into something that computes
+the same bits:
 
 * `x.to(dtype)` where x already has that dtype: the cast returns x itself; its uses read x.
 * RMSNorm's tail, `weight * (x * rsqrt(mean(x.pow(2), -1, keepdim=True) + eps))`: the mean stays torch's (its

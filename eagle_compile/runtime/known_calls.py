@@ -1,13 +1,14 @@
 """Calls of a captured program that skip dynamo's guards once their shape has been compiled.
 
-Every call of a `torch.compile`d function first evaluates the guards of its cached graphs. For a target program
-that is ~4,000 checks (a TENSOR_MATCH per parameter and cache tensor, dict and type checks along the paths to
-them, 43 Python lambdas): 1.1 ms a token of SmolLM2's 17.7 ms plain decoding step at batch 1, 2 threads
-(docs/BENCHMARKS.md, `benchmarks/plain_path.py`'s `+guards` lowering). A decoder calls the same few program shapes thousands of times, and it knows each call's shape
-exactly, so after the first call of a shape has compiled, later calls of that shape run dynamo's transformed
-code for it directly. This is what vLLM does with its compiled models (it swaps the compiled bytecode in and
-dispatches to it itself); torch's own `set_stance(skip_guard_eval_unsafe=True)` is a process-wide flag that
-would skip the guards of the user's own compiled functions in other threads too, so it is not used.
+Every call of a `torch.compile`d function first evaluates the guards of its cached graphs. For a target program that
+is ~4,000 checks (a TENSOR_MATCH per parameter and cache tensor, dict and type checks along the paths to them, 43
+Python lambdas): 1.1 ms a token of SmolLM2's 17.7 ms plain decoding step at batch 1, 2 threads (docs/BENCHMARKS.md,
+`benchmarks/plain_path.py`'s `+guards` lowering). A decoder calls the same few program shapes thousands of times,
+and it knows each call's shape exactly, so after the first call of a shape has compiled, later calls of that shape
+run dynamo's transformed code for it directly. This is what vLLM does with its compiled models (it swaps the
+compiled bytecode in and dispatches to it itself); torch's own `set_stance(skip_guard_eval_unsafe=True)` is a
+process-wide flag that would skip the guards of the user's own compiled functions in other threads too, so it is not
+used.
 
 How: `KnownCalls.__call__(key, *args)` runs the compiled function the normal way until a call of `key` compiles a
 graph; dynamo's bytecode hook (registered once) hands over the transformed code of that compilation, which is
