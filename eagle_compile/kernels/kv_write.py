@@ -51,8 +51,10 @@ def _(keys, values, slots, k, v):
 def write(keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """`eagle31::kv_write` where code is traced (dynamo, export, any dispatch mode: the opaque in-place op that
     every lowering keeps), its Python body where code runs eagerly: the custom op's own dispatch (its mutation
-    bookkeeping and Python wrappers) costs ~60-120 us a call against ~10 us for the two scatters, and the draft
-    head writes its cache once per draft level. Autograd through the write also keeps the op (as before)."""
+    bookkeeping and Python wrappers) is most of a call's cost (torch.profiler on a draft level, not a committed
+    benchmark: ~100 us against ~5 us a scatter), and the draft head writes its cache once per draft level; the
+    committed figure for the level is verify_cost.py's (docs/BENCHMARKS.md). Autograd through the write also
+    keeps the op (as before)."""
     traced = torch.compiler.is_compiling() or torch.jit.is_tracing() or _get_current_dispatch_mode() is not None
     if traced or (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)):
         torch.ops.eagle31.kv_write(keys, values, slots, k, v)
