@@ -137,8 +137,8 @@ class Engine:
         key = group_key(rows[0])
         session = None
         try:
-            session = self.decoder.session(prompts, stops, [r.request.sampling for r in rows], generator,
-                                           min_slots=self.cache_room(bucket))
+            settings = [(r or rows[0]).request.sampling for r in stops.rows]    # padding rows: any setting
+            session = self.decoder.session(prompts, stops, settings, generator, min_slots=self.cache_room(bucket))
             while True:
                 self._release(session, stops)
                 if session.joinable is None and not self._stop.is_set():

@@ -130,3 +130,18 @@ def test_sampled_requests_join_a_greedy_batch_and_seeded_ones_decode_alone(parts
     assert keys, "the mixed batch never ran a per-row program"
     lead = first[0][1]
     assert out["rows"]["lead"].tokens == reference(parts, options, lead.prompt, lead.max_tokens)
+
+
+def test_a_first_batch_smaller_than_its_bucket_decodes(parts):
+    """Three requests waiting together start one batch in bucket 4: its padding row takes a setting too (a
+    batch whose size is not a bucket once failed with "a sequence of 4 (one per prompt)")."""
+    options = OPTIONS
+    tok, model, head = parts
+    engine = Engine(model, tok, head, options, model_name=MODEL)
+    first = [("a", request("the sky is", 7)), ("b", request("1+1=", 5)), ("c", request("once upon a", 6))]
+    out = run(engine, first, [], after_tokens=1)
+    assert out["batches"] == 1
+    assert {out["rows"][n].batch_rows for n, _ in first} == {3}
+    for name, req in first:
+        assert out["rows"][name].finish_reason in ("length", "stop"), (name, out["done"][name])
+        assert out["rows"][name].tokens == reference(parts, options, req.prompt, req.max_tokens), name
