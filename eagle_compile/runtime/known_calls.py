@@ -110,8 +110,10 @@ class KnownCalls:
 
     def _record(self, key: Hashable, code: types.CodeType) -> None:
         # The code reads the compiled graph from globals dynamo installed in the module for it, and deletes when
-        # its cache entry goes (torch._dynamo.reset(), eviction): the code runs over a copy taken now.
-        run = types.FunctionType(code, dict(self.globals))
+        # its cache entry goes (torch._dynamo.reset(), eviction): the code runs over a copy, taken now, of the
+        # globals it names (only those: the module's other `__compiled_fn_*`, other programs' graphs, stay
+        # collectable).
+        run = types.FunctionType(code, _globals_for(code, self.globals))
         state = torch._C._dynamo.guards.GlobalStateGuard()    # grad mode, autocast, threads, ... of this call
         kept = self.direct.get(key, [])[:MAX_STATES - 1]
         self.direct[key] = [Direct(state, torch.get_default_device(), code, run, self.epoch), *kept]
@@ -151,6 +153,18 @@ def guards_every_call() -> Iterator[None]:
         yield
     finally:
         ENABLED = before
+
+
+def _globals_for(code: types.CodeType, module_globals: dict) -> dict:
+    """The entries of `module_globals` that `code` (or a code object nested in it) can read, and the builtins."""
+    names, stack = set(), [code]
+    while stack:
+        c = stack.pop()
+        names.update(c.co_names)
+        stack.extend(const for const in c.co_consts if isinstance(const, types.CodeType))
+    kept = {name: module_globals[name] for name in names if name in module_globals}
+    kept["__builtins__"] = module_globals.get("__builtins__", __builtins__)
+    return kept
 
 
 def _modes_active() -> bool:

@@ -58,6 +58,22 @@ def test_a_compiled_key_runs_directly_and_gives_the_same_values():
     assert torch.equal(call(calls, x2, w, 2), affine(x2, w, 2)) and calls.direct_calls == 2
 
 
+def test_a_kept_code_holds_only_the_globals_it_reads():
+    """The direct code runs over a copy of the globals it names, not of the whole module: the graphs dynamo
+    compiled for other programs (their `__compiled_fn_*` in the same module) stay collectable."""
+    torch._dynamo.reset()
+    globals()["__compiled_fn_unrelated"] = object()        # another program's graph, as dynamo installs them
+    try:
+        calls = known(Counting())
+        call(calls, torch.randn(2, 3), torch.randn(3, 4), 2)
+        [direct] = next(iter(calls.direct.values()))
+        kept = direct.run.__globals__
+        assert any(name.startswith("__compiled_fn") for name in kept)    # its own graph
+        assert "__compiled_fn_unrelated" not in kept and "known" not in kept and "__builtins__" in kept
+    finally:
+        del globals()["__compiled_fn_unrelated"]
+
+
 def test_a_new_shape_or_constant_compiles_its_own_graph():
     torch._dynamo.reset()
     backend = Counting()

@@ -201,6 +201,7 @@ def test_every_node_gets_hfs_scores_for_its_path():
 # node at depth 1, whose penalty must include that drafted token. A scripted drafter proposes the most likely
 # path (often accepted: the target is sharpened), so the root-context variant is caught.
 V, ROWS = 16, 6000
+CHUNK = 1500          # rows per generate call: 4 calls, ~a quarter of one 6000-row batch's memory
 SAMPLING = {"do_sample": True, "temperature": 1.2, "top_k": 12}
 PENALTY = 3.0
 
@@ -220,7 +221,7 @@ def sampling_setup():
     a = int(p1.argmax())
     b = int(p2[a].argmax())
     path = prompt[0].tolist() + [a, b, int(p3[a, b].argmax())]
-    return target, ScriptedDrafter([path] * ROWS, V, "oracle"), prompt, joint
+    return target, ScriptedDrafter([path] * CHUNK, V, "oracle"), prompt, joint
 
 
 def _hf_probs(target, seqs):
@@ -232,12 +233,19 @@ def _hf_probs(target, seqs):
 
 
 def _sample(target, drafter, prompt, **options):
+    """ROWS independent rows in batches of CHUNK: their pair counts, and the last call's statistics with every
+    call's acceptance lengths."""
     torch.manual_seed(1234)
-    out = eagle_compile.generate(target, prompt.repeat(ROWS, 1), draft=drafter, max_new_tokens=3,
-                                 options={"depth": 3, "top_k": 2, "total_tokens": 6, "prefill_chunk": 8,
-                                          "batch_buckets": (ROWS,), **options},
-                                 return_dict_in_generate=True, repetition_penalty=PENALTY, **SAMPLING)
-    return pair_counts(out.sequences, V), out.stats
+    counts, lengths = torch.zeros(V, V, dtype=torch.float64), []
+    for _ in range(ROWS // CHUNK):
+        out = eagle_compile.generate(target, prompt.repeat(CHUNK, 1), draft=drafter, max_new_tokens=3,
+                                     options={"depth": 3, "top_k": 2, "total_tokens": 6, "prefill_chunk": 8,
+                                              "batch_buckets": (CHUNK,), **options},
+                                     return_dict_in_generate=True, repetition_penalty=PENALTY, **SAMPLING)
+        counts += pair_counts(out.sequences, V)
+        lengths += out.stats.acceptance_lengths
+    out.stats.acceptance_lengths = lengths
+    return counts, out.stats
 
 
 def test_sampling_follows_the_processed_distribution(sampling_setup):

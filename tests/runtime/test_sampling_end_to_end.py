@@ -17,6 +17,7 @@ from eagle_compile.draft.model import EagleDraftModel
 from eagle_compile.runtime.sampling import SamplingParams, target_probs
 
 V, ROWS = 16, 6000
+CHUNK = 1500          # rows per generate call: 4 calls, ~a quarter of one 6000-row batch's memory
 SAMPLING = {"do_sample": True, "temperature": 1.3, "top_k": 10, "top_p": 0.95}
 
 
@@ -54,12 +55,20 @@ def _analytic(target, prompt):
 
 
 def _sample(target, head, prompt, **options):
+    """ROWS independent rows in batches of CHUNK: their pair counts, and the last call's statistics with the
+    per-row counts (acceptance lengths, copied tokens) of every call."""
     torch.manual_seed(1234)
-    out = eagle_compile.generate(target, prompt.repeat(ROWS, 1), draft=head, max_new_tokens=2,
-                                 options={"depth": 3, "top_k": 2, "total_tokens": 6, "prefill_chunk": 8,
-                                          "batch_buckets": (ROWS,), **options},
-                                 return_dict_in_generate=True, **SAMPLING)
-    return pair_counts(out.sequences, V), out.stats
+    counts, lengths, copied = torch.zeros(V, V, dtype=torch.float64), [], 0
+    for _ in range(ROWS // CHUNK):
+        out = eagle_compile.generate(target, prompt.repeat(CHUNK, 1), draft=head, max_new_tokens=2,
+                                     options={"depth": 3, "top_k": 2, "total_tokens": 6, "prefill_chunk": 8,
+                                              "batch_buckets": (CHUNK,), **options},
+                                     return_dict_in_generate=True, **SAMPLING)
+        counts += pair_counts(out.sequences, V)
+        lengths += out.stats.acceptance_lengths
+        copied += out.stats.copied_tokens
+    out.stats.acceptance_lengths, out.stats.copied_tokens = lengths, copied
+    return counts, out.stats
 
 
 def test_first_two_tokens_follow_the_target_distribution(setup):
