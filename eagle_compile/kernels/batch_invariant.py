@@ -11,8 +11,10 @@ target programs' linears and attention for them under `numerics="batch_invariant
 
 Two copies of weights change only memory traffic, never a bit: `PackedWeights` keeps each linear weight repacked
 in 4-column panels (`eagle31::bi_linear_packed`, one contiguous stream per tile instead of four rows; a
-one-token SmolLM2 step 1.39x faster at 1 thread and 1.32x at 2, benchmarks/packed_weights.py),
-up to a memory budget; `NarrowWeights` keeps float16 (or bfloat16) copies of weights whose every value fits (a
+one-token SmolLM2 step 1.39x faster at 1 thread and 1.32x at 2, benchmarks/packed_weights.py), or, where the
+build has AVX-512, float32 weights in 16-column panels (`eagle31::bi_linear_panels`: vectors across output
+columns, the eight lanes of k as eight passes; 2.4-2.6x the 4-column kernel and 2.1-2.2x MKL at 1024 rows, equal
+at 1 row: benchmarks/linear_layouts.py, docs/step_overhead/linear_layouts), up to a memory budget; `NarrowWeights` keeps float16 (or bfloat16) copies of weights whose every value fits (a
 float16 head run in float32: half the bytes per draft level). Graphs that run as FX code call `linear`, which
 picks the packed copy when there is one.
 
@@ -48,6 +50,7 @@ ELEMENTWISE_SOURCE = Path(__file__).parent / "cpu" / "elementwise.cpp"
 
 torch.library.define("eagle31::bi_linear", "(Tensor input, Tensor weight, Tensor? bias) -> Tensor")
 torch.library.define("eagle31::bi_linear_packed", "(Tensor input, Tensor packed, Tensor? bias) -> Tensor")
+torch.library.define("eagle31::bi_linear_panels", "(Tensor input, Tensor panels, Tensor? bias) -> Tensor")
 torch.library.define("eagle31::rope", "(Tensor x, Tensor cos, Tensor sin) -> Tensor")
 torch.library.define("eagle31::rms_scale", "(Tensor x, Tensor variance, Tensor weight, float eps) -> Tensor")
 torch.library.define("eagle31::bi_tree_attention",
@@ -65,6 +68,11 @@ def _(input, weight, bias):
 @torch.library.register_fake("eagle31::bi_linear_packed")
 def _(input, packed, bias):
     return input.new_empty((*input.shape[:-1], packed.shape[0] * 4))
+
+
+@torch.library.register_fake("eagle31::bi_linear_panels")
+def _(input, panels, bias):
+    return input.new_empty((*input.shape[:-1], panels.shape[0] * 16))
 
 
 @torch.library.register_fake("eagle31::rope")
@@ -89,7 +97,18 @@ class BuildError(RuntimeError):
 def _flags() -> list[str]:
     capability = torch.backends.cpu.get_cpu_capability()
     vector = ["-mavx2", "-mfma", "-mf16c"] if capability in ("AVX2", "AVX512") else []
+    vector += ["-mavx512f"] if capability == "AVX512" else []
     return ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", *vector]   # at::parallel_for is OpenMP
+
+
+def _isa(flags: list[str]) -> str:
+    return "avx512" if "-mavx512f" in flags else "avx2" if "-mavx2" in flags else "portable"
+
+
+def panel_layout() -> bool:
+    """Whether float32 weights pack as `bi_linear_panels`' 16-column panels (this build has AVX-512, where a
+    vector of 16 output columns doubles the FMA width) rather than `bi_linear_packed`'s 4-column ones."""
+    return _isa(_flags()) == "avx512"
 
 
 @functools.cache
@@ -106,7 +125,7 @@ def load() -> str:
     version = "".join(c if c.isalnum() else "_" for c in torch.__version__)
     sources = [SOURCE, ELEMENTWISE_SOURCE]
     digest = hashlib.sha256(b"".join(path.read_bytes() for path in sources)).hexdigest()[:10]
-    name = f"eagle31_batch_invariant_{'avx2' if '-mavx2' in flags else 'portable'}_torch{version}_{digest}"
+    name = f"eagle31_batch_invariant_{_isa(flags)}_torch{version}_{digest}"
     try:
         cpp_extension.load(name=name, sources=[str(path) for path in sources], extra_cflags=flags,
                            extra_ldflags=["-fopenmp"], is_python_module=False,
@@ -136,13 +155,28 @@ def bi_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     return torch.ops.eagle31.bi_linear.default(x, weight, bias)
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """[N, K] -> the [N/4, K/8, 4, 8] panels `bi_linear_packed` streams (4 columns per panel, k in blocks of 8);
-    None when K is not a multiple of 8 or N of 4."""
+def pack_weight(weight: torch.Tensor, panels: bool | None = None) -> torch.Tensor | None:
+    """[N, K] -> the layout `linear` reads fastest here (None when the shape packs in neither):
+
+    - `panels` (default: `panel_layout()`, float32 weights with N a multiple of 16): [N/16, 8, K/8, 16] for
+      `bi_linear_panels`, lane l of k (k = 8j + l) of 16 columns side by side;
+    - otherwise [N/4, K/8, 4, 8] for `bi_linear_packed`, 4 columns per panel, k in blocks of 8.
+
+    K must be a multiple of 8, N of 4. Both give `bi_linear`'s bits."""
     n, k = weight.shape
     if n % 4 or k % 8:
         return None
-    return weight.detach().reshape(n // 4, 4, k // 8, 8).permute(0, 2, 1, 3).contiguous()
+    w = weight.detach()
+    if (panel_layout() if panels is None else panels) and n % 16 == 0 and w.dtype == torch.float32:
+        return w.reshape(n // 16, 16, k // 8, 8).permute(0, 3, 2, 1).contiguous()
+    return w.reshape(n // 4, 4, k // 8, 8).permute(0, 2, 1, 3).contiguous()
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`bi_linear` from a `pack_weight` copy of either layout (the last dim tells them apart: 16 or 8)."""
+    if packed.shape[-1] == 16:
+        return torch.ops.eagle31.bi_linear_panels.default(x, packed, bias)
+    return torch.ops.eagle31.bi_linear_packed.default(x, packed, bias)
 
 
 def _default_budget() -> int:
@@ -228,7 +262,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     packed = PACKED(weight) if weight.dim() == 2 and weight.device.type == "cpu" else None
     if packed is None:
         return torch.ops.eagle31.bi_linear.default(x, weight, bias)
-    return torch.ops.eagle31.bi_linear_packed.default(x, packed, bias)
+    return packed_linear(x, packed, bias)
 
 
 def bi_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, base: torch.Tensor,

@@ -91,7 +91,7 @@ def test_the_packed_layout_gives_bi_linears_bits(dtype):
     g = torch.Generator().manual_seed(3)
     for n, k in ((40, 64), (12, 200), (96, 24)):
         w, b = torch.randn(n, k, generator=g).to(dtype), torch.randn(n, generator=g)
-        packed = bi.pack_weight(w)
+        packed = bi.pack_weight(w, panels=False)
         assert packed.shape == (n // 4, k // 8, 4, 8)
         x = torch.randn(2, 11, k, generator=g)
         for threads in (1, 2):
@@ -105,6 +105,30 @@ def test_the_packed_layout_gives_bi_linears_bits(dtype):
         torch.ops.eagle31.bi_linear_packed(torch.randn(2, 16), torch.randn(4, 16), None)
 
 
+def test_the_panel_layout_gives_bi_linears_bits():
+    """bi_linear_panels over 16-column panels (vectors across columns, the eight lanes of k as eight passes) runs
+    bi_linear's sequence per element: identical bits for row counts that use every row tile (8, 4, 2, 1), panel
+    groups of 3, 2 and 1, bias or not, 1 or 2 threads. On a build without AVX-512 the op runs the same loops on
+    portable arrays (pack_weight then picks the 4-column layout by default)."""
+    bi.load()
+    g = torch.Generator().manual_seed(4)
+    for n, k in ((48, 64), (16, 200), (96, 24), (80, 8)):
+        w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+        panels = bi.pack_weight(w, panels=True)
+        assert panels.shape == (n // 16, 8, k // 8, 16)
+        x = torch.randn(2, 17, k, generator=g)
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for m in (1, 2, 3, 5, 8, 15, 17):
+                for bias in (None, b):
+                    got = bi.packed_linear(x[:, :m], panels, bias)
+                    assert torch.equal(got, bi.bi_linear(x[:, :m], w, bias)), (n, k, m, threads)
+    assert bi.pack_weight(torch.randn(40, 16), panels=True).shape == (10, 2, 4, 8)      # N % 16: 4-column panels
+    assert bi.pack_weight(torch.randn(32, 16).half(), panels=True).shape == (8, 2, 4, 8)   # 16-bit: 4-column
+    with pytest.raises(RuntimeError, match=r"\[N/16, 8, K/8, 16\]"):
+        torch.ops.eagle31.bi_linear_panels(torch.randn(2, 16), torch.randn(1, 8, 3, 16), None)
+
+
 def test_packed_weights_keep_a_budget_follow_in_place_changes_and_free_dead_weights():
     bi.load()
     w1, w2, odd = torch.randn(8, 16), torch.randn(8, 16), torch.randn(6, 16)
@@ -115,7 +139,7 @@ def test_packed_weights_keep_a_budget_follow_in_place_changes_and_free_dead_weig
     x = torch.randn(3, 16)
     w1.mul_(2.0)                                                      # changed in place: packed again, not stale
     assert not packs.holds(w1)
-    assert torch.equal(torch.ops.eagle31.bi_linear_packed(x, packs(w1), None), bi.bi_linear(x, w1))
+    assert torch.equal(bi.packed_linear(x, packs(w1), None), bi.bi_linear(x, w1))
     assert len(packs) == 1 and packs.bytes == w1.numel() * 4
     del w1
     assert len(packs) == 0 and packs.bytes == 0                       # freed with its weight

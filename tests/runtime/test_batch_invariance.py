@@ -37,14 +37,19 @@ def test_the_checks_catch_an_n_dependent_linear(monkeypatch):
         out = x[..., :half] @ weight[:, :half].T + x[..., half:] @ weight[:, half:].T
         return out if bias is None else out + bias
 
-    def n_dependent_packed(x, packed, bias=None):                     # the same, from the packed layout
+    def n_dependent_packed(x, packed, bias=None):                     # the same, from the packed layouts
         n4, k8 = packed.shape[:2]
         return n_dependent(x, packed.permute(0, 2, 1, 3).reshape(n4 * 4, k8 * 8), bias)
+
+    def n_dependent_panels(x, panels, bias=None):
+        n16, _, k8, _ = panels.shape
+        return n_dependent(x, panels.permute(0, 3, 2, 1).reshape(n16 * 16, k8 * 8), bias)
 
     model = tiny_target("llama", seed=5, dtype=torch.float32)
     lib = torch.library.Library("eagle31", "IMPL")
     lib.impl("bi_linear", n_dependent, "CPU")
     lib.impl("bi_linear_packed", n_dependent_packed, "CPU")
+    lib.impl("bi_linear_panels", n_dependent_panels, "CPU")
     try:
         failures = invariance_failures(model, invariant_program(model), chunks=(2,), trees=(4,), batches=())
     finally:
