@@ -14,9 +14,15 @@ in 4-column panels (`eagle31::bi_linear_packed`, one contiguous stream per tile 
 one-token SmolLM2 step 1.39x faster at 1 thread and 1.32x at 2, benchmarks/packed_weights.py), or, where the
 build has AVX-512, float32 weights in 16-column panels (`eagle31::bi_linear_panels`: vectors across output
 columns, the eight lanes of k as eight passes; 2.4-2.6x the 4-column kernel and 2.1-2.2x MKL at 1024 rows, equal
-at 1 row: benchmarks/linear_layouts.py, docs/step_overhead/linear_layouts), up to a memory budget; `NarrowWeights` keeps float16 (or bfloat16) copies of weights whose every value fits (a
-float16 head run in float32: half the bytes per draft level). Graphs that run as FX code call `linear`, which
-picks the packed copy when there is one.
+at 1 row in docs/step_overhead/linear_layouts; the ratio depends on the CPU's 512-bit FMA rate: rerun
+benchmarks/linear_layouts.py), up to a memory budget; `NarrowWeights` keeps float16 (or
+bfloat16) copies of weights whose every value fits (a float16 head run in float32: half the bytes per draft
+level). Graphs that run as FX code call `linear`, which picks the packed copy when there is one.
+
+`bi_tree_attention` has two paths with the same bits: one query row at a time (a dot and a horizontal sum per
+score: one-token steps and small trees), and on AVX-512 builds a wide path for calls of many queries (prefill
+chunks, large trees) with vectors across 16 keys for the scores (K transposed once per call) and across 16 head
+dims for the values; `wide_attention_calls` counts the calls that took it.
 
 The same build carries two fused elementwise ops (`cpu/elementwise.cpp`), exact fusions rather than new
 numerics: `eagle31::rope` (HF's `q * cos + rotate_half(q) * sin`) and `eagle31::rms_scale` (the tail of HF's
@@ -270,6 +276,14 @@ def bi_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     """`eagle31::tree_attention` (same arguments and visibility) with batch-invariant rounding."""
     load()                      # the op checks the shapes itself (the pass calls it without this wrapper)
     return torch.ops.eagle31.bi_tree_attention.default(q, k_cache, v_cache, base, local, float(scale))
+
+
+def wide_attention_calls() -> int:
+    """How many `bi_tree_attention` calls of this process ran the wide path (AVX-512 builds: vectors across keys
+    for many-query calls; the same bits as the one-query path, `cpu/batch_invariant.cpp`): tests read it to
+    prove the path they meant to cover ran."""
+    load()
+    return torch.ops.eagle31.bi_attention_wide_calls()
 
 
 def available() -> tuple[bool, str]:

@@ -177,6 +177,45 @@ def test_bi_tree_attention_matches_the_oracle_and_a_token_sees_the_same_bits_eve
         assert torch.equal(out, one), threads
 
 
+@pytest.mark.skipif(not bi.panel_layout(), reason="the wide attention path is built only where AVX-512 is")
+@pytest.mark.parametrize("d, hq, hkv, t, bases, tree", [
+    (64, 9, 3, 40, [100, 3], False),       # SmolLM2's heads: a prefill chunk (several query tiles, a partial one)
+    (64, 9, 3, 24, [70, 0], True),         # a verify tree: the block's slots seen selectively
+    (16, 4, 2, 33, [5], False),
+    (80, 6, 3, 16, [31], True),
+    (128, 4, 1, 12, [0], False),
+])
+def test_the_wide_path_gives_each_query_the_bits_it_gets_alone(d, hq, hkv, t, bases, tree):
+    """A call of many queries runs the wide path (vectors across keys); each query's output equals, bit for bit,
+    a one-query call with the same visibility (which runs attention_tile), at 1 and 2 threads."""
+    g = torch.Generator().manual_seed(d + t)
+    b, slots = len(bases), max(bases) + t + 3
+    k, v = torch.randn(b, hkv, slots, d, generator=g), torch.randn(b, hkv, slots, d, generator=g)
+    q, base = torch.randn(b, hq, t, d, generator=g), torch.tensor(bases)
+    local = (torch.rand(b, t, t, generator=g) < 0.4) | torch.eye(t, dtype=torch.bool) if tree else None
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        before = bi.wide_attention_calls()
+        out = bi.bi_tree_attention(q, k, v, base, local, 0.125)
+        assert bi.wide_attention_calls() == before + 1, "the call did not run the wide path"
+        assert torch.allclose(out, tree_attention_reference(q, k, v, base, local, 0.125), atol=1e-5)
+        for i in range(t):
+            one = bi.bi_tree_attention(q[:, :, i:i + 1], k, v, base + (0 if tree else i),
+                                       None if local is None else local[:, i:i + 1], 0.125)
+            assert torch.equal(one[:, :, 0], out[:, :, i]), (threads, i)
+        assert bi.wide_attention_calls() == before + 1, "a one-query call ran the wide path"
+
+
+@pytest.mark.skipif(not bi.panel_layout(), reason="the wide attention path is built only where AVX-512 is")
+def test_the_wide_path_keeps_nan_to_the_rows_that_see_it():
+    q, k = torch.randn(1, 3, 24, 16), torch.randn(1, 1, 40, 16)
+    k[0, 0, 12, 0] = float("nan")                       # block slot 2: queries 2.. see it, 0 and 1 do not
+    before = bi.wide_attention_calls()
+    out = bi.bi_tree_attention(q, k, k, torch.tensor([10]), None, 0.3)
+    assert bi.wide_attention_calls() == before + 1
+    assert not out[:, :, :2].isnan().any() and out[:, :, 2:].isnan().all()
+
+
 def test_the_kernels_refuse_what_they_do_not_compute():
     with pytest.raises(RuntimeError, match="float32"):
         bi.bi_linear(torch.randn(2, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64))

@@ -27,6 +27,16 @@ def test_logits_and_taps_do_not_depend_on_tokens_per_call_tree_or_batch_row(arch
     assert batch_invariant.PACKED.holds(model.model.layers[0].mlp.up_proj.weight)   # from the packed layout
 
 
+@pytest.mark.skipif(not batch_invariant.panel_layout(), reason="the wide attention path is built only where AVX-512 is")
+def test_prefill_chunks_on_the_wide_attention_path_keep_the_bits_of_one_token_steps():
+    """Head dim 16 with 4 query heads per KV head: chunks of 8 and 24 tokens and the trees of 16 run attention's
+    wide path (vectors across keys), one-token steps the per-query one; every position's logits and taps agree."""
+    model = tiny_target("llama", seed=6, dtype=torch.float32, head_dim=16, num_key_value_heads=1)
+    before = batch_invariant.wide_attention_calls()
+    assert invariance_failures(model, invariant_program(model)) == []
+    assert batch_invariant.wide_attention_calls() > before
+
+
 def test_the_checks_catch_an_n_dependent_linear(monkeypatch):
     """Negative control: a linear that splits its reduction in two when a call carries several rows."""
     def n_dependent(x, weight, bias=None):

@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -658,6 +659,343 @@ void attention_tile(const AttentionArgs& a, int64_t b, int64_t h0, int64_t h1, i
   }
 }
 
+#ifdef __AVX512F__
+// ---------------------------------------------------------------------------------------------------------------
+// The wide path of bi_tree_attention (AVX-512 builds, head dims a multiple of 16, calls of many queries: prefill
+// chunks and large trees). Per row it runs attention_tile's very arithmetic -- each score is `dot`'s sequence
+// (lane l = FMAs of q[8j + l] * k[8j + l] in ascending j from zero, then ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)))
+// times the scale; the max over the visible scores; p = exp(s - m) by vexp's operations; l = sum p and
+// acc = sum p v over the visible keys in list order -- so the two paths give identical bits, and which one runs
+// is a matter of speed only. What changes is which values share a vector:
+//   * scores: a vector spans 16 keys, not 8 values of the head dim. K is transposed once per call (kt: [D][keys]
+//     per batch row and KV head), and lane l of the dot is its own pass over j into its own accumulators, added
+//     by hsum's tree at the end (as bi_linear_panels does for a linear): no horizontal sum per score;
+//   * values: a vector spans 16 head dims (two AVX2 vectors' worth), and each V row loaded feeds several rows'
+//     accumulators.
+// List order is slot order restricted to the visible slots (the prefix, then the visible block slots), so the
+// scores stay indexed by slot; a row skips the slots it does not see.
+
+constexpr int64_t kWideQueries = 8;    // queries per work item: G x 8 rows share every K and V block
+constexpr int64_t kWideKeys = 64;      // keys per block: 4 vectors of scores; a block of V (16 KiB) stays in L1
+constexpr int64_t kWideRowGroup = 6;   // score rows computed together: 6 x 4 accumulators of the 32 registers
+
+using Z = __m512;
+
+inline Z zset1(float x) { return _mm512_set1_ps(x); }
+
+// vexp's operations on 16 lanes (the same IEEE operations per element, so the same bits as the AVX2 vexp).
+inline Z vexp16(Z x) {
+  const Z lo = zset1(-87.0f);
+  const __mmask16 too_small = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_max_ps(lo, x);   // NaN stays NaN (max_ps returns its second operand when either is NaN)
+  const Z n = _mm512_roundscale_ps(_mm512_mul_ps(x, zset1(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  Z r = _mm512_fmadd_ps(n, zset1(-0.693359375f), x);
+  r = _mm512_fmadd_ps(n, zset1(2.12194440e-4f), r);
+  Z p = zset1(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, zset1(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, zset1(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, zset1(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, zset1(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, zset1(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
+  p = _mm512_add_ps(p, zset1(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~too_small), _mm512_mul_ps(p, _mm512_castsi512_ps(e)));
+}
+
+// dst[c * ldd + r] = src[r * lds + c] for a 16 x 16 block; rows >= `rows` of src read as zeros.
+inline void transpose16(const float* src, int64_t lds, int64_t rows, float* dst, int64_t ldd) {
+  Z r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = i < rows ? _mm512_loadu_ps(src + i * lds) : _mm512_setzero_ps();
+  for (int i = 0; i < 16; i += 2) {   // per 128-bit lane: [a0 b0 a1 b1], [a2 b2 a3 b3]
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {   // u[i + k], 128-bit lane L: column 4L + k of rows i .. i+3
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+  }
+  for (int h = 0; h < 16; h += 8)     // lanes [col k | col 8+k | col k | col 8+k] of rows h..h+3, h+4..h+7
+    for (int k = 0; k < 4; ++k) {
+      t[h + k] = _mm512_shuffle_f32x4(r[h + k], r[h + 4 + k], 0x88);
+      t[h + 4 + k] = _mm512_shuffle_f32x4(r[h + k], r[h + 4 + k], 0xdd);
+    }
+  for (int k = 0; k < 4; ++k) {
+    _mm512_storeu_ps(dst + k * ldd, _mm512_shuffle_f32x4(t[k], t[8 + k], 0x88));
+    _mm512_storeu_ps(dst + (8 + k) * ldd, _mm512_shuffle_f32x4(t[k], t[8 + k], 0xdd));
+    _mm512_storeu_ps(dst + (4 + k) * ldd, _mm512_shuffle_f32x4(t[4 + k], t[12 + k], 0x88));
+    _mm512_storeu_ps(dst + (12 + k) * ldd, _mm512_shuffle_f32x4(t[4 + k], t[12 + k], 0xdd));
+  }
+}
+
+// kt[d * ldk + s] = k[s * sk + d] for s < end, zeros for end <= s < ldk (a whole number of key blocks).
+void transpose_keys(const float* k, int64_t sk, int64_t end, int64_t D, float* kt, int64_t ldk) {
+  for (int64_t s0 = 0; s0 < ldk; s0 += 16)
+    for (int64_t d0 = 0; d0 < D; d0 += 16)
+      transpose16(k + s0 * sk + d0, sk, std::max<int64_t>(0, std::min<int64_t>(16, end - s0)), kt + d0 * ldk + s0,
+                  ldk);
+}
+
+// Scores of RG rows (queries q[i], head dim D) against the kWideKeys keys of kt (row stride ldk), times `scale`,
+// into out[i][0 .. kWideKeys).
+template <int RG>
+inline void wide_scores(const float* const* q, const float* kt, int64_t ldk, int64_t D, float scale,
+                        float* const* out) {
+  constexpr int KV = kWideKeys / 16;
+  const int64_t J = D / kLanes;
+  Z part[kLanes][RG][KV];
+  for (int c = 0; c < kLanes; ++c) {
+    Z acc[RG][KV];
+#pragma GCC unroll 8
+    for (int i = 0; i < RG; ++i)
+#pragma GCC unroll 4
+      for (int v = 0; v < KV; ++v) acc[i][v] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < J; ++j) {
+      const int64_t d = j * kLanes + c;
+      Z kv[KV];
+#pragma GCC unroll 4
+      for (int v = 0; v < KV; ++v) kv[v] = _mm512_loadu_ps(kt + d * ldk + 16 * v);
+#pragma GCC unroll 8
+      for (int i = 0; i < RG; ++i) {
+        const Z qd = zset1(q[i][d]);
+#pragma GCC unroll 4
+        for (int v = 0; v < KV; ++v) acc[i][v] = _mm512_fmadd_ps(qd, kv[v], acc[i][v]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < RG; ++i)
+#pragma GCC unroll 4
+      for (int v = 0; v < KV; ++v) part[c][i][v] = acc[i][v];
+  }
+  const Z sv = zset1(scale);
+  for (int i = 0; i < RG; ++i)
+    for (int v = 0; v < KV; ++v) {
+      const Z lo = _mm512_add_ps(_mm512_add_ps(part[0][i][v], part[4][i][v]),
+                                 _mm512_add_ps(part[2][i][v], part[6][i][v]));
+      const Z hi = _mm512_add_ps(_mm512_add_ps(part[1][i][v], part[5][i][v]),
+                                 _mm512_add_ps(part[3][i][v], part[7][i][v]));
+      _mm512_storeu_ps(out[i] + 16 * v, _mm512_mul_ps(_mm512_add_ps(lo, hi), sv));
+    }
+}
+
+template <int RG>
+inline void wide_scores_rows(const float* const* q, int64_t rows, const float* kt, int64_t ldk, int64_t D,
+                             float scale, float* const* out) {
+  int64_t i = 0;
+  for (; i + RG <= rows; i += RG) wide_scores<RG>(q + i, kt, ldk, D, scale, out + i);
+  switch (rows - i) {
+    case 5: wide_scores<5>(q + i, kt, ldk, D, scale, out + i); break;
+    case 4: wide_scores<4>(q + i, kt, ldk, D, scale, out + i); break;
+    case 3: wide_scores<3>(q + i, kt, ldk, D, scale, out + i); break;
+    case 2: wide_scores<2>(q + i, kt, ldk, D, scale, out + i); break;
+    case 1: wide_scores<1>(q + i, kt, ldk, D, scale, out + i); break;
+    default: break;
+  }
+}
+
+// acc[i] += p[i][s] * v_s and l[i] = l[i] + p[i][s] for the slots s in [s0, s1) (every row sees them), in order.
+template <int DV, int RB>
+inline void wide_values(const float* const* p, const float* v, int64_t sv, int64_t s0, int64_t s1, float* const* acc,
+                        float* l) {
+  Z a[RB][DV];
+  float li[RB];
+#pragma GCC unroll 8
+  for (int i = 0; i < RB; ++i) {
+    li[i] = l[i];
+#pragma GCC unroll 16
+    for (int c = 0; c < DV; ++c) a[i][c] = _mm512_loadu_ps(acc[i] + 16 * c);
+  }
+  for (int64_t s = s0; s < s1; ++s) {
+    Z vv[DV];
+#pragma GCC unroll 16
+    for (int c = 0; c < DV; ++c) vv[c] = _mm512_loadu_ps(v + s * sv + 16 * c);
+#pragma GCC unroll 8
+    for (int i = 0; i < RB; ++i) {
+      const float pi = p[i][s];
+      li[i] = li[i] + pi;
+      const Z pv = zset1(pi);
+#pragma GCC unroll 16
+      for (int c = 0; c < DV; ++c) a[i][c] = _mm512_fmadd_ps(pv, vv[c], a[i][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < RB; ++i) {
+    l[i] = li[i];
+#pragma GCC unroll 16
+    for (int c = 0; c < DV; ++c) _mm512_storeu_ps(acc[i] + 16 * c, a[i][c]);
+  }
+}
+
+// The same update for one row and one slot (the block slots, which rows see selectively).
+inline void wide_value(float p, const float* v, int64_t D, float* acc, float& l) {
+  l = l + p;
+  const Z pv = zset1(p);
+  for (int64_t d = 0; d < D; d += 16)
+    _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, _mm512_loadu_ps(v + d), _mm512_loadu_ps(acc + d)));
+}
+
+struct WideScratch {
+  std::vector<float> s;                    // [rows][cap]: scores by slot, then probabilities
+  std::vector<float> acc;                  // [rows][D]
+  std::vector<float> l;                    // [rows]
+  std::vector<int64_t> n;                  // [rows]: visible slots
+  std::vector<const float*> q;             // [rows]: query vectors
+  std::vector<float*> srow, arow;          // [rows]: rows of s and acc
+  std::vector<const float*> prow;
+};
+
+// One work item of the wide path: queries [t0, t1) of query heads [h0, h1) (sharing one KV head) of batch row b,
+// against kt (this row's and KV head's transposed keys, row stride ldk).
+template <int DV>
+void wide_tile(const AttentionArgs& a, const float* kt, int64_t ldk, int64_t b, int64_t h0, int64_t h1, int64_t t0,
+               int64_t t1, WideScratch& sc) {
+  constexpr int RB = DV >= 16 ? 1 : 16 / DV;
+  const int64_t base = a.base[b], D = a.D, nq = t1 - t0, rows = (h1 - h0) * nq;
+  const bool causal = a.local == nullptr;
+  const int64_t kend = causal ? base + t1 : base + a.W;          // no row sees a slot at or past this
+  const int64_t common = causal ? base + t0 + 1 : base;          // every row sees the slots before this
+  const int64_t cap = (kend + kWideKeys - 1) / kWideKeys * kWideKeys;
+  sc.s.resize(rows * cap);
+  sc.acc.assign(rows * D, 0.0f);
+  sc.l.assign(rows, 0.0f);
+  sc.n.assign(rows, 0);
+  sc.q.resize(rows);
+  sc.srow.resize(rows);
+  sc.arow.resize(rows);
+  sc.prow.resize(rows);
+  auto head = [&](int64_t r) { return h0 + r / nq; };
+  auto query_t = [&](int64_t r) { return t0 + r % nq; };
+  for (int64_t r = 0; r < rows; ++r) {
+    sc.q[r] = a.q + b * a.sq[0] + head(r) * a.sq[1] + query_t(r) * a.sq[2];
+    sc.srow[r] = &sc.s[r * cap];
+    sc.arow[r] = &sc.acc[r * D];
+    sc.prow[r] = sc.srow[r];
+  }
+  // Pass 1: every row's scores over [0, kend), by key block.
+  for (int64_t s0 = 0; s0 < kend; s0 += kWideKeys) {
+    float* out[kWideRowGroup * 8];
+    for (int64_t r0 = 0; r0 < rows; r0 += kWideRowGroup * 8) {
+      const int64_t n = std::min<int64_t>(rows - r0, kWideRowGroup * 8);
+      for (int64_t i = 0; i < n; ++i) out[i] = sc.srow[r0 + i] + s0;
+      wide_scores_rows<kWideRowGroup>(sc.q.data() + r0, n, kt + s0, ldk, D, a.scale, out);
+    }
+  }
+  // The slots a row does not see score -inf (so the max skips them); each row's count, max and probabilities.
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = sc.srow[r];
+    const int64_t t = query_t(r);
+    int64_t n = common;
+    for (int64_t j = common; j < kend; ++j) {
+      if (a.sees(b, t, j - base)) ++n; else s[j] = ninf;
+    }
+    sc.n[r] = n;
+    Z vm = zset1(ninf);
+    __mmask16 nan = 0;
+    int64_t j = 0;
+    for (; j + 16 <= kend; j += 16) {
+      const Z x = _mm512_loadu_ps(s + j);
+      nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+      vm = _mm512_max_ps(vm, x);
+    }
+    float mr = _mm512_reduce_max_ps(vm);
+    for (; j < kend; ++j) {
+      nan |= s[j] != s[j];
+      mr = s[j] > mr ? s[j] : mr;
+    }
+    // a NaN score makes the row's max (and output) NaN, like attention_tile
+    const Z mv = zset1(nan ? std::numeric_limits<float>::quiet_NaN() : mr);
+    for (j = 0; j < kend; j += 16) _mm512_storeu_ps(s + j, vexp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv)));
+  }
+  // Pass 2: l and acc over [0, common) for every row, by key block and groups of RB rows; then the block slots.
+  const float* vb = a.v + b * a.sv[0] + (h0 / (a.Hq / a.Hkv)) * a.sv[1];
+  for (int64_t s0 = 0; s0 < common; s0 += kWideKeys) {
+    const int64_t s1 = std::min(common, s0 + kWideKeys);
+    int64_t r = 0;
+    for (; r + RB <= rows; r += RB)
+      wide_values<DV, RB>(sc.prow.data() + r, vb, a.sv[2], s0, s1, sc.arow.data() + r, sc.l.data() + r);
+    for (; r < rows; ++r)
+      wide_values<DV, 1>(sc.prow.data() + r, vb, a.sv[2], s0, s1, sc.arow.data() + r, sc.l.data() + r);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = query_t(r);
+    for (int64_t j = common; j < kend; ++j)
+      if (a.sees(b, t, j - base)) wide_value(sc.srow[r][j], vb + j * a.sv[2], D, sc.arow[r], sc.l[r]);
+    float* out = a.out + b * a.so[0] + head(r) * a.so[1] + t * a.so[2];
+    const float l = sc.l[r];
+    for (int64_t d = 0; d < D; ++d) out[d * a.so[3]] = sc.n[r] == 0 ? 0.0f : sc.arow[r][d] / l;
+  }
+}
+
+// Whether a call runs the wide path: a head dim it vectorises, and enough query rows per KV head for the
+// transposed keys to pay: at least 12 per thread (SmolLM2's 3 query heads per KV head: 4 queries at 1 thread,
+// 8 at 2). Measured per layer, 9 query / 3 KV heads, head dim 64, against attention_tile: 1 thread T = 4 at
+// prefixes 512 / 2048 / 6144 81 / 290 / 914 us against 128 / 502 / 1724; 2 threads T = 8 133 / 442 / 1255
+// against 141 / 550 / 1690, T = 2 80 / 229 / 675 against 43 / 161 / 475 (one-token steps stay on attention_tile).
+inline bool wide_path(const AttentionArgs& a) {
+  return a.D % 16 == 0 && (a.D <= 128 || a.D == 256) && a.T * (a.Hq / a.Hkv) >= 12 * at::get_num_threads();
+}
+
+std::atomic<int64_t> wide_calls{0};   // calls that ran the wide path (tests prove it ran: bi_attention_wide_calls)
+
+void wide_attention(const AttentionArgs& a) {
+  wide_calls.fetch_add(1, std::memory_order_relaxed);
+  const int64_t group = a.Hq / a.Hkv;
+  int64_t ldk = 0;
+  for (int64_t b = 0; b < a.B; ++b) ldk = std::max(ldk, a.base[b] + a.W);
+  ldk = (ldk + kWideKeys - 1) / kWideKeys * kWideKeys;
+  // [B, Hkv, D, ldk], kept per calling thread between calls: a fresh buffer of this size costs its page faults
+  // again on every call (as much as the transposition itself)
+  thread_local std::vector<float> keys;
+  if (keys.size() < static_cast<size_t>(a.B * a.Hkv * a.D * ldk)) keys.resize(a.B * a.Hkv * a.D * ldk);
+  float* kt = keys.data();
+  at::parallel_for(0, a.B * a.Hkv, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / a.Hkv, h = i % a.Hkv;
+      transpose_keys(a.k + b * a.sk[0] + h * a.sk[1], a.sk[2], a.base[b] + a.W, a.D, kt + i * a.D * ldk, ldk);
+    }
+  });
+  const int64_t tiles = (a.T + kWideQueries - 1) / kWideQueries;
+  const int64_t heads_per_item = a.B * a.Hkv * tiles >= 2 * at::get_num_threads() ? group : 1;
+  const int64_t head_items = a.Hq / heads_per_item;
+  // Items by descending work (a causal chunk's later queries see more keys), dealt round-robin to the threads.
+  struct Item { int64_t b, h0, t0, work; };
+  std::vector<Item> items;
+  items.reserve(a.B * head_items * tiles);
+  for (int64_t b = 0; b < a.B; ++b)
+    for (int64_t hi = 0; hi < head_items; ++hi)
+      for (int64_t tile = 0; tile < tiles; ++tile) {
+        const int64_t t0 = tile * kWideQueries, t1 = std::min(a.T, t0 + kWideQueries);
+        items.push_back({b, hi * heads_per_item, t0, a.base[b] + (a.local == nullptr ? t1 : a.W)});
+      }
+  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.work > y.work; });
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
+  at::parallel_for(0, threads, 1, [&](int64_t w0, int64_t w1) {
+    WideScratch sc;
+    for (int64_t w = w0; w < w1; ++w)
+      for (size_t i = w; i < items.size(); i += threads) {
+        const Item& it = items[i];
+        const float* k = kt + (it.b * a.Hkv + it.h0 / group) * a.D * ldk;
+        const int64_t t1 = std::min(a.T, it.t0 + kWideQueries), h1 = it.h0 + heads_per_item;
+        switch (a.D / 16) {
+          case 1: wide_tile<1>(a, k, ldk, it.b, it.h0, h1, it.t0, t1, sc); break;
+          case 2: wide_tile<2>(a, k, ldk, it.b, it.h0, h1, it.t0, t1, sc); break;
+          case 3: wide_tile<3>(a, k, ldk, it.b, it.h0, h1, it.t0, t1, sc); break;
+          case 4: wide_tile<4>(a, k, ldk, it.b, it.h0, h1, it.t0, t1, sc); break;
+          case 5: wide_tile<5>(a, k, ldk, it.b, it.h0, h1, it.t0, t1, sc); break;
+          case 6: wide_tile<6>(a, k, ldk, it.b, it.h0, h1, it.t0, t1, sc); break;
+          case 7: wide_tile<7>(a, k, ldk, it.b, it.h0, h1, it.t0, t1, sc); break;
+          case 8: wide_tile<8>(a, k, ldk, it.b, it.h0, h1, it.t0, t1, sc); break;
+          default: wide_tile<16>(a, k, ldk, it.b, it.h0, h1, it.t0, t1, sc); break;   // D = 256
+        }
+      }
+  });
+}
+#endif  // __AVX512F__
+
 at::Tensor bi_tree_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              const at::Tensor& base, const std::optional<at::Tensor>& local, double scale) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
@@ -712,6 +1050,12 @@ at::Tensor bi_tree_attention(const at::Tensor& q, const at::Tensor& k_cache, con
   for (int64_t b = 0; b < a.B; ++b)
     TORCH_CHECK(a.base[b] >= 0 && a.base[b] + a.W <= a.S, "eagle31::bi_tree_attention: row ", b, " block [",
                 a.base[b], ", ", a.base[b] + a.W, ") is outside the cache's ", a.S, " slots");
+#ifdef __AVX512F__
+  if (wide_path(a)) {
+    wide_attention(a);
+    return out;
+  }
+#endif
   // Work items: (batch row, KV head, tile of queries), each loading a key block once for its G query heads x
   // kQueryTile queries; when that leaves too few items for the threads, the query heads split too. Neither
   // choice changes any row's arithmetic.
@@ -738,7 +1082,19 @@ at::Tensor bi_tree_attention(const at::Tensor& q, const at::Tensor& k_cache, con
   return out;
 }
 
+int64_t bi_attention_wide_calls() {
+#ifdef __AVX512F__
+  return wide_calls.load(std::memory_order_relaxed);
+#else
+  return 0;
+#endif
+}
+
 }  // namespace
+
+TORCH_LIBRARY_FRAGMENT(eagle31, m) {
+  m.def("bi_attention_wide_calls() -> int", &bi_attention_wide_calls);
+}
 
 TORCH_LIBRARY_IMPL(eagle31, CPU, m) {
   m.impl("bi_linear", &bi_linear);
