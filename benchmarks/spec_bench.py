@@ -162,20 +162,24 @@ class Methods:
     def cache_slots(self, prompt_len: int) -> int:
         """Static eagle31 cache slots for this prompt (what the decoder allocates), rounded up."""
         from eagle_compile.core.tree import TreeShape
-        from eagle_compile.runtime.decoder import cache_slots_needed
+        from eagle_compile.runtime.decoder import cache_slots_needed, forward_tokens
 
         o = self.parsed
         if o.max_cache_len is not None:
             return o.max_cache_len
         need = cache_slots_needed(prompt_len, self.max_new, o.prefill_chunk,
-                                  TreeShape(o.tree_depth, o.tree_top_k, o.tree_tokens))
+                                  TreeShape(o.tree_depth, o.tree_top_k, o.tree_tokens),
+                                  forward_tokens=forward_tokens(o, self.model.device))
         return math.ceil(need / o.cache_len_multiple) * o.cache_len_multiple
 
     def shape_key(self, prompt_len: int) -> tuple:
         """What the captured graphs specialise on: the static cache size and the prefill chunk sizes used."""
+        from eagle_compile.runtime.decoder import forward_tokens
         from eagle_compile.runtime.prefill_plan import prefill_plan
 
-        sizes = frozenset(size for _, size in prefill_plan(prompt_len, self.parsed.prefill_chunk))
+        sizes = frozenset(size for _, size in prefill_plan(prompt_len, self.parsed.prefill_chunk,
+                                                           forward_tokens=forward_tokens(self.parsed,
+                                                                                         self.model.device)))
         return self.cache_slots(prompt_len), sizes
 
     def warm_eagle(self, ids: torch.Tensor) -> float | None:

@@ -126,10 +126,13 @@ def prefill(program, cache, prefix: int, generator: torch.Generator) -> None:
     """Write `prefix` random tokens into the cache through the program, in chunks as the decoder's prefill does."""
     from eagle_compile.core.masks import SlotMask
     from eagle_compile.options import EagleOptions
+    from eagle_compile.runtime.decoder import forward_tokens
     from eagle_compile.runtime.prefill_plan import prefill_plan
 
     vocab = program.model.config.vocab_size
-    for start, size in prefill_plan(prefix, EagleOptions().prefill_chunk):
+    options = EagleOptions()
+    for start, size in prefill_plan(prefix, options.prefill_chunk,
+                                    forward_tokens=forward_tokens(options, program.model.device)):
         pos = torch.arange(start, start + size)[None]
         real = pos < prefix
         ids = torch.randint(0, vocab, (1, size), generator=generator)

@@ -45,7 +45,10 @@ class EagleOptions:
     `prefill_chunk` is the largest number of prompt tokens one prefill forward takes (static shapes: a prompt
     is covered by chunks of `prefill_chunk`, `prefill_chunk // 4`, ... down to 16 tokens, so the number of
     captured prefill graphs stays bounded; chunks of 1K+ tokens attend as fast as one causal pass over the
-    whole prompt). `inner_backend` runs the rewritten graphs: "eager" (the FX graph as
+    whole prompt). `prefill_tokens` caps the tokens one prefill forward carries over all its rows (rows x chunk:
+    the largest of those sizes within it); None (default) is 1024 on a CPU, where larger forwards run slower
+    once their activations leave the last-level cache (`runtime/prefill_plan.py` has the measurements), and no
+    cap elsewhere. `inner_backend` runs the rewritten graphs: "eager" (the FX graph as
     is), "inductor" (compile_fx with `inductor_config`: a preset of `eagle_compile.lowering.PRESETS` or a dict
     of `torch._inductor.config` settings, applied to our programs only; default preset "freezing"), "tensorrt"
     (torch-tensorrt's dynamo backend, CUDA only, the `tensorrt` extra: `eagle_compile.lowering`), or "auto"
@@ -91,6 +94,7 @@ class EagleOptions:
     speculate: bool = True
     batch_buckets: tuple[int, ...] = DEFAULT_BUCKETS
     prefill_chunk: int = 4096
+    prefill_tokens: int | None = None
     inner_backend: str = "auto"
     inductor_config: Any = None
     step_program: bool = False
@@ -110,6 +114,8 @@ class EagleOptions:
             if getattr(self, key) is not None:
                 _check_positive_int(key, getattr(self, key))
         _check_positive_int("prefill_chunk", self.prefill_chunk)
+        if self.prefill_tokens is not None:
+            _check_positive_int("prefill_tokens", self.prefill_tokens)
         if self.total_tokens is not None and self.total_tokens < 2:
             raise OptionsError(f"total_tokens={self.total_tokens}: a tree needs the root and at least one draft "
                                "token (total_tokens >= 2)")

@@ -51,7 +51,7 @@ from eagle_compile.runtime.cuda_graphs import BucketBuffers, CudaGraphRuntime, G
 from eagle_compile.runtime.kv_cache import SlotKVCache
 from eagle_compile.runtime.logits_processors import TokenHistory, process_next
 from eagle_compile.runtime.plain_step import PlainStep
-from eagle_compile.runtime.prefill_plan import prefill_groups, prefill_plan
+from eagle_compile.runtime.prefill_plan import CPU_FORWARD_TOKENS, prefill_groups, prefill_plan
 from eagle_compile.runtime.sampling import (
     BatchSampling,
     RowSamplingValues,
@@ -102,6 +102,7 @@ class SpeculativeDecoder:
         self.quantized = find_quantized(model)
         self.lowering = lowering_for(options.inner_backend, options.inductor_config, param.device, param.dtype,
                                      options.numerics, self.quantized)
+        self.forward_tokens = forward_tokens(options, param.device)
         if drafter is not None and hasattr(drafter, "numerics"):
             drafter.numerics = self.lowering.numerics     # the head rounds like the target's programs
         self.program = TargetProgram(model, self.capture_indices, lowering=self.lowering,
@@ -307,7 +308,8 @@ class SpeculativeDecoder:
         """Cache slots (sentinel included, before rounding) for prompts of up to `longest` tokens in a batch of
         `rows`, over every program the decoder may run."""
         return max(cache_slots_needed(longest, max_new, self.options.prefill_chunk,
-                                      shape if self.speculate else None, rows=rows) for shape in self.shapes)
+                                      shape if self.speculate else None, rows=rows,
+                                      forward_tokens=self.forward_tokens) for shape in self.shapes)
 
     def _slots(self, prompts: list[torch.Tensor], max_new: int) -> int:
         """Static cache slots (target and draft caches alike), sentinel included."""
@@ -331,7 +333,7 @@ class SpeculativeDecoder:
         groups = [list(range(len(prompts)))]
         if history is None and (draft_kv is None or isinstance(draft_kv, DraftKV)):
             groups = prefill_groups([len(p) for p in prompts], self.options.prefill_chunk, self._bucket,
-                                    span_limit=cache.sentinel)
+                                    span_limit=cache.sentinel, forward_tokens=self.forward_tokens)
         stats.prefill_groups += len(groups)
         if len(groups) == 1:
             return self._prefill_block(prompts, cache, draft_kv, sampling, generator, stopper, active, stats,
@@ -387,7 +389,8 @@ class SpeculativeDecoder:
         batch, device = len(prompts), prompts[0].device
         lengths = torch.tensor([len(p) for p in prompts], device=device)
         last = lengths - 1                                                # [B] each row's last prompt position
-        plan = prefill_plan(int(lengths.max()), self.options.prefill_chunk, rows=batch)
+        plan = prefill_plan(int(lengths.max()), self.options.prefill_chunk, rows=batch,
+                            forward_tokens=self.forward_tokens)
         span = plan[-1][0] + plan[-1][1]
         tokens = torch.zeros(batch, span + 1, dtype=torch.long, device=device)
         for b, p in enumerate(prompts):
@@ -554,10 +557,18 @@ def positions_reached(longest: int, max_new: int, shape: TreeShape | None) -> in
     return longest + max_new + shape.span + 1 + max(shape.nodes, shape.tree_slots, shape.span + 1)
 
 
+def forward_tokens(options: EagleOptions, device: torch.device) -> int | None:
+    """The cap on rows x chunk tokens of one prefill forward: `options.prefill_tokens`, else `CPU_FORWARD_TOKENS`
+    on a CPU and none elsewhere."""
+    if options.prefill_tokens is not None:
+        return options.prefill_tokens
+    return CPU_FORWARD_TOKENS if torch.device(device).type == "cpu" else None
+
+
 def cache_slots_needed(longest: int, max_new: int, prefill_chunk: int, shape: TreeShape | None,
-                       rows: int = 1) -> int:
+                       rows: int = 1, forward_tokens: int | None = None) -> int:
     """Cache slots a call needs before rounding: the prefill's padded span, or `positions_reached`, whichever is
     more, plus the sentinel. Linear in the prompt: prompt + max_new + a constant of the tree shape."""
-    plan = prefill_plan(longest, prefill_chunk, rows)
+    plan = prefill_plan(longest, prefill_chunk, rows, forward_tokens)
     prefill_span = plan[-1][0] + plan[-1][1]
     return max(prefill_span, positions_reached(longest, max_new, shape)) + 2

@@ -32,6 +32,9 @@ CHUNK_OVERHEAD_TOKENS = 32
 #: what prefilling a group of rows apart costs besides its chunks, in prompt tokens of compute
 GROUP_OVERHEAD_TOKENS = 2 * CHUNK_OVERHEAD_TOKENS
 
+#: the default cap on rows x chunk tokens of one prefill forward on a CPU (see the module docstring)
+CPU_FORWARD_TOKENS = 1024
+
 
 def prefill_chunk_sizes(largest: int) -> tuple[int, ...]:
     """The static chunk sizes a prefill may use, largest first (at most log4(largest / 16) + 1 of them)."""
@@ -41,10 +44,24 @@ def prefill_chunk_sizes(largest: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def prefill_plan(length: int, largest: int, rows: int = 1) -> list[tuple[int, int]]:
+def largest_chunk(largest: int, rows: int, forward_tokens: int | None = None) -> int:
+    """The largest menu size (`prefill_chunk_sizes(largest)`) whose chunk of `rows` rows carries at most
+    `forward_tokens` tokens (None: no cap), or the smallest size when none does.
+
+    >>> largest_chunk(4096, 1, 1024), largest_chunk(4096, 8, 1024), largest_chunk(4096, 64, 1024)
+    (1024, 64, 16)
+    """
+    sizes = prefill_chunk_sizes(largest)
+    if forward_tokens is None:
+        return largest
+    return next((size for size in sizes if size * rows <= forward_tokens), sizes[-1])
+
+
+def prefill_plan(length: int, largest: int, rows: int = 1, forward_tokens: int | None = None
+                 ) -> list[tuple[int, int]]:
     """(start, size) chunks covering `length` prompt positions of `rows` rows, largest first, of least cost
-    (`chunks * CHUNK_OVERHEAD_TOKENS / rows + covered positions`; on a tie, less padding). The last chunk may be
-    padded.
+    (`chunks * CHUNK_OVERHEAD_TOKENS / rows + covered positions`; on a tie, less padding), from the menu of
+    `largest` up to `largest_chunk(largest, rows, forward_tokens)`. The last chunk may be padded.
 
     >>> prefill_plan(600, 512)
     [(0, 512), (512, 128)]
@@ -52,9 +69,12 @@ def prefill_plan(length: int, largest: int, rows: int = 1) -> list[tuple[int, in
     [(0, 64)]
     >>> prefill_plan(40, 4096, rows=8)
     [(0, 16), (16, 16), (32, 16)]
+    >>> prefill_plan(2100, 4096, forward_tokens=1024)
+    [(0, 1024), (1024, 1024), (2048, 64)]
     """
     if length < 1 or rows < 1:
         raise ValueError(f"a prefill needs at least one prompt token and one row, got length {length}, rows {rows}")
+    largest = largest_chunk(largest, rows, forward_tokens)
     sizes = prefill_chunk_sizes(largest)
     full, rest = divmod(length, largest)
     plan_sizes = [largest] * full + (list(_cheapest_cover(rest, sizes, CHUNK_OVERHEAD_TOKENS / rows)) if rest else [])
@@ -81,22 +101,22 @@ def _cheapest_cover(rest: int, sizes: tuple[int, ...], overhead: float) -> tuple
     return tuple(sorted(best[units][2], reverse=True))
 
 
-def prefill_cost(length: int, largest: int, rows: int) -> int:
+def prefill_cost(length: int, largest: int, rows: int, forward_tokens: int | None = None) -> int:
     """Positions of compute a prefill of `rows` rows up to `length` tokens pays: every row over the cover's span,
     and `CHUNK_OVERHEAD_TOKENS` per chunk."""
-    return _plan_cost(length, largest, rows)[0]
+    return _plan_cost(length, largest, rows, forward_tokens)[0]
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan_cost(length: int, largest: int, rows: int) -> tuple[int, int]:
-    """(cost, span) of `prefill_plan(length, largest, rows)`."""
-    plan = prefill_plan(length, largest, rows)
+def _plan_cost(length: int, largest: int, rows: int, forward_tokens: int | None = None) -> tuple[int, int]:
+    """(cost, span) of `prefill_plan(length, largest, rows, forward_tokens)`."""
+    plan = prefill_plan(length, largest, rows, forward_tokens)
     span = plan[-1][0] + plan[-1][1]
     return rows * span + len(plan) * CHUNK_OVERHEAD_TOKENS, span
 
 
 def prefill_groups(lengths: Sequence[int], largest: int, bucket: Callable[[int], int],
-                   span_limit: int | None = None) -> list[list[int]]:
+                   span_limit: int | None = None, forward_tokens: int | None = None) -> list[list[int]]:
     """Rows (indices into `lengths`) grouped for prefill, each group in ascending row order; one group of every row
     when splitting does not pay. A group of k rows runs in `bucket(k)` rows (the padding rows cost like real
     ones) and pays `GROUP_OVERHEAD_TOKENS` besides `prefill_cost`; no group's cover may pass `span_limit`
@@ -112,14 +132,14 @@ def prefill_groups(lengths: Sequence[int], largest: int, bucket: Callable[[int],
     if rows < 2:
         return [list(range(rows))]
     order = sorted(range(rows), key=lambda b: (-lengths[b], b))
-    whole = prefill_cost(max(lengths), largest, bucket(rows))
+    whole = prefill_cost(max(lengths), largest, bucket(rows), forward_tokens)
     if whole <= sum(max(n, 1) for n in lengths) + GROUP_OVERHEAD_TOKENS:   # nothing to save
         return [list(range(rows))]
     best: list[float] = [0.0] + [math.inf] * rows    # best[i]: the cheapest grouping of the i longest rows
     cut = [0] * (rows + 1)
     for i in range(1, rows + 1):
         for j in range(i):                           # the group order[j:i]; its longest row is order[j]
-            cost, span = _plan_cost(max(lengths[order[j]], 1), largest, bucket(i - j))
+            cost, span = _plan_cost(max(lengths[order[j]], 1), largest, bucket(i - j), forward_tokens)
             if span_limit is not None and span > span_limit and (j, i) != (0, rows):
                 continue
             total = best[j] + cost + GROUP_OVERHEAD_TOKENS

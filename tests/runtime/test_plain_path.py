@@ -11,7 +11,15 @@ from tiny import ARCHS, ScriptedDrafter, greedy_reference, ragged, random_head, 
 
 import eagle_compile
 from eagle_compile.draft.checkpoint import save_draft
-from eagle_compile.runtime.prefill_plan import CHUNK_OVERHEAD_TOKENS, prefill_chunk_sizes, prefill_plan
+from eagle_compile.options import EagleOptions, OptionsError
+from eagle_compile.runtime import decoder
+from eagle_compile.runtime.prefill_plan import (
+    CHUNK_OVERHEAD_TOKENS,
+    CPU_FORWARD_TOKENS,
+    largest_chunk,
+    prefill_chunk_sizes,
+    prefill_plan,
+)
 
 
 def _continuations(ids, mask, ref):
@@ -83,6 +91,46 @@ def _greedy_cost(length: int, sizes: tuple[int, ...]) -> int:
 def test_prefill_plan_beats_greedy_cutting_where_it_should():
     """The negative control can fail: on a 60-token prompt greedy cutting pays four chunks."""
     assert _greedy_cost(60, prefill_chunk_sizes(4096)) > _cost(prefill_plan(60, 4096))
+
+
+def test_a_prefill_forward_carries_at_most_forward_tokens_over_its_rows():
+    assert largest_chunk(4096, 1, 1024) == 1024 and largest_chunk(4096, 8, 1024) == 64
+    assert largest_chunk(4096, 64, 1024) == 16 and largest_chunk(4096, 8) == 4096    # the smallest; no cap
+    for rows in (1, 2, 8, 64):
+        for length in range(1, 5000, 163):
+            plan = prefill_plan(length, 4096, rows, forward_tokens=1024)
+            sizes = {size for _, size in plan}
+            assert sizes <= set(prefill_chunk_sizes(4096)) and plan[-1][0] + plan[-1][1] >= length
+            assert all(size * rows <= 1024 for size in sizes) or sizes == {16}, (rows, length, plan)
+    assert prefill_plan(6144, 4096, forward_tokens=1024) == [(i * 1024, 1024) for i in range(6)]
+    assert prefill_plan(6144, 4096) == [(0, 4096), (4096, 1024), (5120, 1024)]       # without the cap
+
+
+def test_prefill_tokens_is_1024_on_a_cpu_unless_given():
+    assert decoder.forward_tokens(EagleOptions(), torch.device("cpu")) == CPU_FORWARD_TOKENS == 1024
+    assert decoder.forward_tokens(EagleOptions(), torch.device("cuda")) is None
+    assert decoder.forward_tokens(EagleOptions(prefill_tokens=64), torch.device("cpu")) == 64
+    with pytest.raises(OptionsError, match="prefill_tokens=0"):
+        EagleOptions(prefill_tokens=0)
+
+
+def test_a_capped_prefill_uses_smaller_chunks_and_stays_exact(monkeypatch):
+    """prefill_tokens=32 on a batch bucket of 4 rows: chunks of 16 instead of 64, the same tokens as HF."""
+    plans = []
+
+    def spy(*args, **kwargs):
+        plans.append(plan := prefill_plan(*args, **kwargs))
+        return plan
+
+    monkeypatch.setattr(decoder, "prefill_plan", spy)
+    model = tiny_target("llama", seed=21)
+    ids, mask = ragged([50, 47, 44], seed=8)
+    ref = greedy_reference(model, ids, attention_mask=mask, max_new_tokens=8)
+    draft = random_head(model, flags=True, seed=3, reduced=True)
+    options = {"chain": 2, "prefill_chunk": 64, "prefill_tokens": 32}
+    out = eagle_compile.generate(model, ids, attention_mask=mask, draft=draft, options=options, max_new_tokens=8)
+    assert torch.equal(out, ref)
+    assert plans and all(size == 16 for plan in plans for _, size in plan), plans
 
 
 @pytest.mark.parametrize("drafter_kind", ["oracle", "random head"])
