@@ -180,7 +180,10 @@ def methods_for(section: str, head, wrong, random_head, fixed: list[dict], tree:
                 "adaptive": {"draft": head}, "adaptive+monitors": {"draft": head, "drift_monitors": True},
                 "plain": {"speculate": False}}
     if section in ("spec", "batch", "long"):
-        return {"adaptive": {"draft": head}, "plain": {"speculate": False}, "hf": None}
+        # "head tree": the head's tree.json fixed (calibration off), speculating every cycle: the lossless check
+        # of batch-invariant numerics where every cycle verifies a block, and the anchor adaptive must beat
+        return {"adaptive": {"draft": head}, "head tree": {"draft": head, **tree}, "plain": {"speculate": False},
+                "hf": None}
     if section == "heads":
         return {"random head": {"draft": random_head}, "always wrong": {"draft": wrong},
                 "plain": {"speculate": False}}

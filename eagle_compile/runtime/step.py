@@ -177,8 +177,9 @@ class SpeculativeStep:
         logits, feats = self.target_forward(tree.tokens, positions, mask, write, cache)
         t = self._mark("verify", t)
         acc = self._verify(tree, self._scores(logits.float(), state, tree), uniforms, final_uniform)
-        identity = torch.arange(shape.span + 1, device=base.device).expand_as(acc.path)
-        cache.compact(base, torch.where(active[:, None], acc.path, identity))   # inactive rows: a no-op move
+        if not in_place_paths(shape):               # a chain's accepted path already sits in slots base..base+a
+            identity = torch.arange(shape.span + 1, device=base.device).expand_as(acc.path)
+            cache.compact(base, torch.where(active[:, None], acc.path, identity))   # inactive rows: a no-op move
         t = self._mark("accept", t)
         a = acc.accept_len
         path_feats = feats.gather(1, acc.path[:, :, None].expand(-1, -1, feats.shape[-1]))
@@ -206,6 +207,17 @@ class SpeculativeStep:
         if not self.sampling.do_sample:
             return verify_greedy(tree, logits)
         return verify_sample(tree, target_probs(logits, self.sampling, self.values), uniforms, final_uniform)
+
+
+def in_place_paths(shape: TreeShape) -> bool:
+    """Whether every accepted path of `shape` is nodes 0, 1, ..., a in order (a chain: each node the child of the
+    one before it, in the pool's topological order; or a copy branch alone), so its K/V is already in slots
+    base..base+a and compaction would move nothing a later query reads (slots past base+a are rewritten by the
+    next cycle before they are read). A chain cycle so skips 2 x layers gathers and scatters (~0.9 ms of a
+    ~24 ms cycle for SmolLM2 on a 2-core CPU)."""
+    if shape.depth == 0:
+        return True
+    return shape.copy == 0 and shape.top_k == 1 and shape.total_tokens == shape.depth + 1
 
 
 def usable_logits(logits: torch.Tensor) -> torch.Tensor:

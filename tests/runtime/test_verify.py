@@ -278,3 +278,34 @@ def test_verifiers_compile_without_graph_breaks():
     assert torch.equal(torch.compile(target_probs, **compile_)(logits, params), probs)
     assert torch.equal(greedy.tokens, verify_greedy(tree, logits).tokens)
     assert torch.equal(sampled.tokens, verify_sample(tree, probs, uniforms, final).tokens)
+
+
+# --- paths that need no KV compaction ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_a_chain_accepts_its_nodes_in_place_so_the_step_skips_compaction(do_sample):
+    from eagle_compile.core.tree import TreeShape
+    from eagle_compile.runtime.step import in_place_paths
+
+    gen = torch.Generator().manual_seed(3)
+    depth, vocab, rows = 4, 6, 64
+    shape = TreeShape.chain(depth)
+    assert in_place_paths(shape) and in_place_paths(TreeShape(0, 0, 1, copy=5))
+    assert not in_place_paths(TreeShape(3, 2, 6)) and not in_place_paths(TreeShape(2, 1, 3, copy=2))
+    chain = stack_trees([make_tree(parents=[-1, 0, 1, 2, 3], tokens=torch.randint(vocab, (5,), generator=gen).tolist())
+                         for _ in range(rows)])
+    logits = torch.randn(rows, depth + 1, vocab, generator=gen, dtype=torch.float64) * 3
+    if do_sample:
+        probs = target_probs(logits, SamplingParams(do_sample=True, temperature=1.0))
+        uniforms, final = draw_uniforms(rows, depth, 1, generator=gen)
+        acc = verify_sample(chain, probs, uniforms, final)
+    else:
+        acc = verify_greedy(chain, logits)
+    lengths = acc.accept_len.tolist()
+    assert max(lengths) >= 1                                    # the check saw accepted nodes
+    for b, a in enumerate(lengths):
+        assert acc.path[b, :a + 1].tolist() == list(range(a + 1))
+    # negative control: a branching tree's accepted path moves (the docstring example accepts nodes 2 and 5)
+    tree = make_tree(parents=[-1, 0, 0, 1, 1, 2, 3], tokens=[5, 7, 3, 9, 2, 4, 1])
+    moved = verify_greedy(tree, logits_with_argmax([3, 9, 4, 1, 0, 8, 6], vocab=10)).path[0, :3].tolist()
+    assert moved != [0, 1, 2]
