@@ -15,13 +15,14 @@ probes.
 Hysteresis, so the choice does not flap on noise: the running program is replaced only by one whose rate is
 `margin` higher, and a speculative program runs only while its rate is `margin` above the plain step's (a gain
 inside the margin is inside the costs' noise). Fallback: when the plain step wins, the batch decodes plainly;
-after `backoff` plain cycles it probes (one cycle of the best draft program, to refresh the estimates that plain
-cycles cannot update). A probe is a run of up to `probe_cycles` cycles: it ends as soon as a speculative program
-wins back (the backoff resets), and only a whole run that does not win back doubles the backoff (up to
-`max_backoff`). One cycle says little: a head whose first draft token is accepted half the time fails a
-single-cycle probe half the time, and five failed probes in a row kept such a prompt (Spec-Bench qa, tau 1.88 with
-the head's fixed chain) in plain decoding for 121 of its 127 cycles. Rows in fallback inside a speculative batch probe the same way, each on its own schedule, and stay
-masked until their probe.
+after `backoff` plain cycles it probes (the best draft program, to refresh the estimates that plain cycles cannot
+update). A probe is a run of up to `probe_cycles` cycles: it ends as soon as a speculative program wins back (the
+backoff resets), and only a whole run that does not win back doubles the backoff (up to `max_backoff`). One cycle
+says little: a head whose first draft token is accepted half the time fails a one-cycle probe half the time, and
+five failed probes in a row kept such a prompt (Spec-Bench qa, tau 1.88 with the head's fixed chain) in plain
+decoding for 121 of its 127 cycles. A batch probe drafts every row and so re-checks each row's own mask. Rows in
+fallback inside a speculative batch probe one cycle at a time, each on its own schedule, and stay masked until
+their probe.
 
 The copy branch (prompt lookup, `draft/lookup.py`) is known before the cycle: a copy-only program gains only
 on rows whose lookup matched, estimated per match length (`menu.copy_family`; each length is tried `explore`
