@@ -15,10 +15,14 @@ probes.
 Hysteresis, so the choice does not flap on noise: the running program is replaced only by one whose rate is
 `margin` higher, and a speculative program runs only while its rate is `margin` above the plain step's (a gain
 inside the margin is inside the costs' noise). Fallback: when the plain step wins, the batch decodes plainly;
-after `backoff` plain cycles it probes (one cycle of the best draft program, to refresh the estimates that plain
-cycles cannot update); a probe that does not win back doubles the backoff (up to `max_backoff`), one that does
-resets it. Rows in fallback inside a speculative batch probe the same way, each on its own schedule, and stay
-masked until their probe.
+after `backoff` plain cycles it probes (the best draft program, to refresh the estimates that plain cycles cannot
+update). A probe is a run of up to `probe_cycles` cycles: it ends as soon as a speculative program wins back (the
+backoff resets), and only a whole run that does not win back doubles the backoff (up to `max_backoff`). One cycle
+says little: a head whose first draft token is accepted half the time fails a one-cycle probe half the time, and
+five failed probes in a row kept such a prompt (Spec-Bench qa, tau 1.88 with the head's fixed chain) in plain
+decoding for 121 of its 127 cycles. A batch probe drafts every row and so re-checks each row's own mask. Rows in
+fallback inside a speculative batch probe one cycle at a time, each on its own schedule, and stay masked until
+their probe.
 
 The copy branch (prompt lookup, `draft/lookup.py`) is known before the cycle: a copy-only program gains only
 on rows whose lookup matched, estimated per match length (`menu.copy_family`; each length is tried `explore`
@@ -66,12 +70,13 @@ class PolicyStats:
 
 class CalibrationPolicy:
     def __init__(self, menu: tuple[MenuEntry, ...], *, margin: float = 0.05, row_min_accept: float = 0.08,
-                 min_backoff: int = 4, max_backoff: int = 128, explore: float = 1.5) -> None:
+                 min_backoff: int = 4, max_backoff: int = 128, explore: float = 1.5, probe_cycles: int = 3) -> None:
         if menu[0].shape is not None:
             raise ValueError("the menu's first entry must be the plain step")
         self.menu = menu
         self.margin, self.row_min_accept = margin, row_min_accept
         self.min_backoff, self.max_backoff = min_backoff, max_backoff
+        self.probe_cycles = probe_cycles
         self.explore = explore          # discounted copy cycles a match length needs (1.5: two) first
         self.reset(0)
 
@@ -82,6 +87,8 @@ class CalibrationPolicy:
         self.in_fallback = False
         self.backoff = self.min_backoff
         self.wait = 0
+        self.probe_left = 0             # cycles left in the running probe run (0: none running)
+        self.probe_entry: MenuEntry | None = None
         self.row_backoff = torch.full((rows,), self.min_backoff, dtype=torch.long)
         self.row_wait = torch.zeros(rows, dtype=torch.long)
         self.row_plain = torch.zeros(rows, dtype=torch.bool)
@@ -126,11 +133,13 @@ class CalibrationPolicy:
         explore = self._copy_to_explore(est, active, matched)
         if explore is not None:
             return explore
-        if self.in_fallback and self.wait + 1 < self.backoff:      # between probes: only a copy match is weighed
-            self.wait += 1
+        if self.in_fallback:           # a copy match that pays runs first (a probe due or running waits for it)
             copy = self._copy_in_fallback(costs, est, active, matched)
             if copy is not None:
+                self.wait += self.probe_left == 0
                 return copy
+        if self.in_fallback and self.probe_left == 0 and self.wait + 1 < self.backoff:     # between probes
+            self.wait += 1
             self._book(self.menu[0], False)
             return Decision(entry=self.menu[0], drafting=torch.zeros_like(active), probe=False, rates={})
         by_name = {e.name: e for e in self.menu}
@@ -141,11 +150,19 @@ class CalibrationPolicy:
         best = max(self.menu, key=lambda e: rates[e.name])
         probe = False
         if self.in_fallback:
-            self.wait += 1
-            if self.wait >= self.backoff:             # probe the best draft program once (copies need no probe)
-                drafts = [e for e in spec if not e.copy_only] or spec
-                chosen, probe = max(drafts, key=lambda e: rates[e.name]), True
+            if self.probe_left == 0:
+                self.wait += 1
+            if self.probe_left > 0 or self.wait >= self.backoff:     # a probe run of the best draft program
+                if self.probe_left == 0:                             # (copies need no probe)
+                    drafts = [e for e in spec if not e.copy_only] or spec
+                    self.probe_entry = max(drafts, key=lambda e: rates[e.name])
+                    self.probe_left = self.probe_cycles
+                self.probe_left -= 1
+                chosen, probe = self.probe_entry, True
                 drafting = active.clone()
+                # a batch probe drafts every row, so each row's own mask is re-checked against its estimate
+                # afterwards (kept, a row masked while the batch fell back would pull the batch straight back)
+                self.row_plain &= ~active
             else:
                 chosen = by_name[PLAIN]
         else:
@@ -168,13 +185,14 @@ class CalibrationPolicy:
 
     def after_probe(self, costs: dict[str, float], est: AcceptanceEstimates, active: torch.Tensor,
                     matched: torch.Tensor | None = None) -> None:
-        """After a batch probe's outcome was recorded: leave fallback if a speculative program now wins by the
-        margin, else back off further."""
+        """After a batch probe cycle's outcome was recorded: leave fallback if a speculative program now wins by
+        the margin; else the probe run goes on, or, when it is over, back off further."""
         rates = self.rates(costs, est, active, torch.ones_like(active), matched)
         best = max(self.menu[1:], key=lambda e: rates[e.name])
         if rates[best.name] > rates[PLAIN] * (1 + self.margin):
             self.in_fallback, self.backoff, self.current = False, self.min_backoff, best
-        else:
+            self.probe_left = 0
+        elif self.probe_left == 0:
             self.backoff = min(2 * self.backoff, self.max_backoff)
             self.wait = 0
 

@@ -16,10 +16,10 @@ MENU = default_menu(DEEP)                       # plain, chain1, chain2, chain4,
 COSTS = {"plain": 1.0, "chain1": 1.15, "chain2": 1.25, "chain4": 1.5, "tree7x4x24": 2.0}
 
 
-def _run(outcome, cycles: int, rows: int = 1, costs=COSTS):
+def _run(outcome, cycles: int, rows: int = 1, costs=COSTS, **policy_args):
     """Drive the policy for `cycles` cycles; outcome(entry, row) -> accepted draft tokens of that row."""
     est = AcceptanceEstimates(families(MENU), rows)
-    policy = CalibrationPolicy(MENU)
+    policy = CalibrationPolicy(MENU, **policy_args)
     policy.reset(rows)
     active = torch.ones(rows, dtype=torch.bool)
     trace = []
@@ -41,9 +41,28 @@ def test_a_useless_head_falls_back_to_plain_and_probes_with_backoff():
     assert policy.stats.plain_cycles > 270                    # almost every cycle plain
     probes = [i for i, t in enumerate(trace) if t[2]]
     assert probes and policy.stats.probes == len(probes)
-    gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
+    runs = [i for i in probes if i - 1 not in probes]         # probe runs: probe_cycles cycles each
+    assert all(sum(1 for j in probes if r <= j < r + policy.probe_cycles) == policy.probe_cycles for r in runs[:-1])
+    gaps = [b - a for a, b in zip(runs, runs[1:], strict=False)]
     assert gaps == sorted(gaps) and gaps[-1] >= 64            # the backoff grows (doubling up to 128)
-    assert len(probes) <= 9
+    assert len(runs) <= 9
+
+
+def test_probe_runs_keep_a_useful_but_noisy_head_speculating():
+    """A head accepted 40 % of the time at every depth (worth a chain at these costs) over 20 seeds of 150
+    cycles: with runs of 3 probe cycles the layer speculates in most cycles; one-cycle probes (the negative
+    control), which fail 60 % of the time, leave it in fallback far more often."""
+    def speculating(probe_cycles: int) -> float:
+        total = 0
+        for seed in range(20):
+            gen = torch.Generator().manual_seed(seed)
+            _, _, trace = _run(lambda e, r, gen=gen: _geometric(gen, e.depth, 0.4), 150, probe_cycles=probe_cycles)
+            total += sum(t[0] != "plain" for t in trace)
+        return total / 20
+
+    runs, single = speculating(3), speculating(1)
+    assert runs > 0.8 * 150
+    assert single < runs - 15
 
 
 def test_an_oracle_gets_the_deepest_tree():
