@@ -74,7 +74,7 @@ def _calibration_lines(dec) -> list[str]:
     lines = [f"  calibration: {dec.calibration_reason}"]
     for key, table in cal.tables.items():
         lines.append(f"  costs in use (batch bucket {key.batch_bucket}, context bucket {key.context_bucket}): "
-                     f"{table.describe()}")
+                     f"{table.describe()}; {cal.observed.describe(key, table.relative())}")
     if not cal.tables:
         lines.append("  costs: none measured yet (the first generate call measures them)")
     for note in cal.cache.refused:

@@ -37,6 +37,7 @@ from eagle_compile.calibrate.costs import (
     verify_call,
 )
 from eagle_compile.calibrate.menu import MenuEntry, copy_family, families
+from eagle_compile.calibrate.observed import ObservedCosts
 from eagle_compile.calibrate.policy import CalibrationPolicy
 from eagle_compile.core.masks import SlotMask
 from eagle_compile.core.verify import draw_uniforms
@@ -65,7 +66,9 @@ class Calibration:
         self.policy = CalibrationPolicy(menu)
         self.tables: dict[CostKey, CostTable] = {}     # cost tables in use by this decoder (for explain)
         self._stash: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._costs: dict[str, float] = {}
+        self._costs: dict[str, float] = {}              # the current table's relative costs
+        self._key: CostKey | None = None
+        self.observed = ObservedCosts()                 # cycle times seen, kept across calls
         self._context = 0
         self.measured_seconds = 0.0                     # all cost measurements of this decoder
         self.drift = None                               # the call's draft.drift.DriftTotals, when monitored
@@ -118,7 +121,7 @@ class Calibration:
             table = self.measure(bucket, state, cache, draft_kv, sampling)
             self.cache.put(key, table)
         self.tables[key] = table
-        self._costs = table.relative()
+        self._costs, self._key = table.relative(), key
         self._context = bucket
 
     def measure(self, bucket: int, state: StepState, cache, draft_kv, sampling) -> CostTable:
@@ -204,11 +207,15 @@ class Calibration:
         teaches the estimates nothing."""
         d = self.decoder
         self.ensure_costs(longest, state, cache, draft_kv, sampling)
-        decision = self.policy.decide(self._costs, self.estimates, active, matched)
+        t0 = time.perf_counter()
+        costs = self.costs()
+        decision = self.policy.decide(costs, self.estimates, active, matched)
         entry = decision.entry
         if entry.shape is None:
             out = self._plain(state, cache, draft_kv, sampling, generator, active)
-            return read_cycle(out), entry                 # the one host read of the cycle
+            read = read_cycle(out)                        # the one host read of the cycle
+            self.observed.add(self._key, entry.name, time.perf_counter() - t0)
+            return read, entry
         self.resync(state, draft_kv, cache.slots)
         state.drafting.copy_(decision.drafting.to(state.drafting.device))
         state.floor.fill_(self.confidence.floor(self.settings.min_accept))
@@ -233,9 +240,14 @@ class Calibration:
         if depth:                                  # the map is the draft's: leave out paths the copy branch won
             drafted = ran if read.copied is None else ran & (torch.tensor(read.copied) == 0)
             self.confidence.update(read.extra.double() / _CONF_SCALE, accept_len.clamp(max=depth), depth, drafted)
+        self.observed.add(self._key, entry.name, time.perf_counter() - t0)     # catch-up and updates included
         if decision.probe and self.policy.in_fallback:
-            self.policy.after_probe(self._costs, self.estimates, active, matched)
+            self.policy.after_probe(self.costs(), self.estimates, active, matched)
         return read, entry
+
+    def costs(self) -> dict[str, float]:
+        """The relative costs the policy uses now: the table's, moved toward the cycles observed under it."""
+        return self.observed.adjust(self._key, self._costs)
 
     def _plain(self, state, cache, draft_kv, sampling, generator, active):
         d = self.decoder
@@ -271,7 +283,8 @@ class Calibration:
         return {"menu": [e.name for e in self.menu], "policy": self.policy.stats.as_dict(),
                 "node_floor": self.confidence.floor(self.settings.min_accept),
                 "head_alpha": est, "confidence_map": [round(float(x), 3) for x in self.confidence.values()],
-                "costs": {f"batch {k.batch_bucket}, context {k.context_bucket}": t.describe()
+                "costs": {f"batch {k.batch_bucket}, context {k.context_bucket}":
+                          f"{t.describe()}; {self.observed.describe(k, t.relative())}"
                           for k, t in self.tables.items()},
                 "refused_cache_entries": list(self.cache.refused)}
 

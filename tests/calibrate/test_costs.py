@@ -92,3 +92,4 @@ def test_a_decoder_measures_once_and_a_new_decoder_reuses_the_cache(tmp_path):
     assert torch.equal(first.sequences, second.sequences)
     report = eagle_compile.explain(target, file=open("/dev/null", "w"))
     assert "calibration: adaptive" in report and "cost cache" in report and "cycle / plain" in report
+    assert "observed: plain" in report                          # and the cycles observed since (observed.py)
