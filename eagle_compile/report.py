@@ -72,9 +72,9 @@ def _calibration_lines(dec) -> list[str]:
     if cal is None:
         return [f"  calibration: off, {dec.calibration_reason}"]
     lines = [f"  calibration: {dec.calibration_reason}"]
-    for key, table in cal.tables.items():
+    for key in cal.tables:
         lines.append(f"  costs in use (batch bucket {key.batch_bucket}, context bucket {key.context_bucket}): "
-                     f"{table.describe()}; {cal.observed.describe(key, table.relative())}")
+                     f"{cal.describe_costs(key)}")
     if not cal.tables:
         lines.append("  costs: none measured yet (the first generate call measures them)")
     for note in cal.cache.refused:

@@ -4,14 +4,16 @@ A `CostTable` times each menu program alone, a few interleaved rounds when a buc
 cycles the decoder really runs cost more: the host read and the estimates' update, and the draft's catch-up over
 the plain steps before the first speculative cycle after a fallback (`runtime/calibration.py`). On the 2-core
 CPU a chain-1 cycle measured 1.23 plain steps in its table and took 1.29 plain cycles of the same run, and 1.40
-right after plain cycles (docs/BENCHMARKS.md, 2026-12-06): at a 5 % margin, that is the difference between a
-gain and a loss. `ObservedCosts` keeps, per cost table and program, a discounted mean of the wall time of the
-cycles that ran (the cycle's one host read is its end, so on CUDA too the time is the device's), and
-`adjust` moves each program's relative cost from the table's toward observed / observed plain, by how much of
-both was seen.
+right after plain cycles (timed ad hoc with perf_counter around each cycle on one mt_bench prompt;
+docs/BENCHMARKS.md, 2026-12-06): at a 5 % margin, that is the difference between a gain and a loss.
+`ObservedCosts` keeps, per cost table and program, a discounted mean of the wall time of the cycles that ran
+(the cycle's one host read is its end, so on CUDA too the time is the device's), and `adjust` moves each
+program's relative cost from the table's toward observed / observed plain, by how much of both was seen.
 
 Robust to what a wall clock on a shared machine sees: each program's first cycle per table is not counted (it
-may capture the program), and one cycle counts at most `clip` times the running mean of its program.
+may capture the program), and one cycle counts at most `clip` times the running mean of its program. Not robust
+to a slow drift of the machine's speed: a program's mean moves only while it runs, so two means may come from
+different prompts minutes apart (docs/BENCHMARKS.md, the observed-costs run of 2026-12-06).
 """
 
 from __future__ import annotations

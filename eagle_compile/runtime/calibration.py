@@ -249,6 +249,11 @@ class Calibration:
         """The relative costs the policy uses now: the table's, moved toward the cycles observed under it."""
         return self.observed.adjust(self._key, self._costs)
 
+    def describe_costs(self, key: CostKey) -> str:
+        """The table measured for `key` and how the cycles observed under it moved its costs."""
+        table = self.tables[key]
+        return f"{table.describe()}; {self.observed.describe(key, table.relative())}"
+
     def _plain(self, state, cache, draft_kv, sampling, generator, active):
         d = self.decoder
         _, final = draw_uniforms(state.n.shape[0], 0, 0, generator=generator, device=state.n.device)
@@ -283,8 +288,7 @@ class Calibration:
         return {"menu": [e.name for e in self.menu], "policy": self.policy.stats.as_dict(),
                 "node_floor": self.confidence.floor(self.settings.min_accept),
                 "head_alpha": est, "confidence_map": [round(float(x), 3) for x in self.confidence.values()],
-                "costs": {f"batch {k.batch_bucket}, context {k.context_bucket}":
-                          f"{t.describe()}; {self.observed.describe(k, t.relative())}"
-                          for k, t in self.tables.items()},
+                "costs": {f"batch {k.batch_bucket}, context {k.context_bucket}": self.describe_costs(k)
+                          for k in self.tables},
                 "refused_cache_entries": list(self.cache.refused)}
 
