@@ -11,13 +11,18 @@ docs/BENCHMARKS.md, 2026-12-06): at a 5 % margin, that is the difference between
 program's relative cost from the table's toward observed / observed plain, by how much of both was seen.
 
 Robust to what a wall clock on a shared machine sees: each program's first cycle per table is not counted (it
-may capture the program), and one cycle counts at most `clip` times the running mean of its program. Not robust
-to a slow drift of the machine's speed: a program's mean moves only while it runs, so two means may come from
-different prompts minutes apart (docs/BENCHMARKS.md, the observed-costs run of 2026-12-06).
+may capture the program), one cycle counts at most `clip` times the running mean of its program, and a mean's
+weight fades with wall time since its last cycle (half-life `half_life_s` seconds, or `half_life_cycles` of the
+program's own mean cycle if that is longer). A program's mean moves only while it runs, so without the fade a ratio
+can pair a plain mean from one prompt with a chain's from another prompt minutes later, when the machine ran at
+another speed: the observed-costs run of 2026-12-06 (docs/BENCHMARKS.md) rated chain 1 at 0.94-0.97 plain steps
+that way, impossible for a cycle that does more work. With the fade a stale mean weighs nothing against the table,
+and its next cycle replaces it rather than nudging it.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable, Mapping
 
 from eagle_compile.calibrate.menu import PLAIN
@@ -29,54 +34,71 @@ class ObservedCosts:
             cycles must not override it).
         decay: weight an older observation of a program keeps per new one (0.95: about 20 cycles).
         clip: one observation counts at most `clip` times (and at least 1 / `clip` of) its program's mean.
+        half_life_s, half_life_cycles: a mean's weight halves every max(half_life_s, half_life_cycles * its mean
+            cycle) seconds of wall time after its last cycle (2 s is ~60 cycles of SmolLM2-135M on the 2-core CPU;
+            a 1 s cycle of a large target keeps 50 cycles).
     """
 
-    def __init__(self, *, prior_cycles: float = 4.0, decay: float = 0.95, clip: float = 2.0) -> None:
+    def __init__(self, *, prior_cycles: float = 4.0, decay: float = 0.95, clip: float = 2.0,
+                 half_life_s: float = 2.0, half_life_cycles: float = 50.0) -> None:
         self.prior_cycles, self.decay, self.clip = prior_cycles, decay, clip
+        self.half_life_s, self.half_life_cycles = half_life_s, half_life_cycles
         self._seen: set[tuple[Hashable, str]] = set()          # (table key, program) whose first cycle passed
         self._count: dict[tuple[Hashable, str], float] = {}    # discounted cycles
         self._mean: dict[tuple[Hashable, str], float] = {}     # discounted mean seconds
+        self._last: dict[tuple[Hashable, str], float] = {}     # monotonic time of the last counted cycle
 
-    def add(self, key: Hashable, name: str, seconds: float) -> None:
-        """One cycle of program `name` under cost table `key` took `seconds` (wall time through its host read)."""
+    def add(self, key: Hashable, name: str, seconds: float, now: float | None = None) -> None:
+        """One cycle of program `name` under cost table `key` took `seconds` (wall time through its host read),
+        ending at `now` (time.monotonic() if None)."""
         slot = (key, name)
         if slot not in self._seen:              # the first cycle may include the program's capture
             self._seen.add(slot)
             return
-        count, mean = self._count.get(slot, 0.0), self._mean.get(slot)
-        if mean is not None:
+        now = time.monotonic() if now is None else now
+        count, mean = self._weight(slot, now), self._mean.get(slot)
+        if mean is not None and count > 0.5:    # a faded mean is no yardstick for clipping
             seconds = min(max(seconds, mean / self.clip), mean * self.clip)
         count = count * self.decay + 1.0
         self._mean[slot] = seconds if mean is None else mean + (seconds - mean) / count
-        self._count[slot] = count
+        self._count[slot], self._last[slot] = count, now
 
-    def cycles(self, key: Hashable, name: str) -> float:
-        """Discounted observed cycles of `name` under `key`."""
-        return self._count.get((key, name), 0.0)
+    def _weight(self, slot: tuple[Hashable, str], now: float) -> float:
+        count = self._count.get(slot, 0.0)
+        if not count:
+            return 0.0
+        half_life = max(self.half_life_s, self.half_life_cycles * self._mean[slot])
+        return count * 0.5 ** (max(now - self._last[slot], 0.0) / half_life)
+
+    def cycles(self, key: Hashable, name: str, now: float | None = None) -> float:
+        """Discounted observed cycles of `name` under `key`, faded to `now` (time.monotonic() if None)."""
+        return self._weight((key, name), time.monotonic() if now is None else now)
 
     def ratio(self, key: Hashable, name: str) -> float | None:
         """Observed mean cycle of `name` over the observed mean plain cycle (None until both were seen)."""
         mean, plain = self._mean.get((key, name)), self._mean.get((key, PLAIN))
         return None if mean is None or plain is None else mean / plain
 
-    def adjust(self, key: Hashable, relative: Mapping[str, float]) -> dict[str, float]:
+    def adjust(self, key: Hashable, relative: Mapping[str, float], now: float | None = None) -> dict[str, float]:
         """The table's relative costs (plain = 1), each moved toward its observed ratio with weight n_s n_p /
-        (n_s + n_p) observed cycles (the ratio is only as sure as the scarcer of its two means) against the
-        table's `prior_cycles`."""
-        plain_n = self.cycles(key, PLAIN)
+        (n_s + n_p) observed cycles, faded to `now` (the ratio is only as sure as the scarcer, or staler, of its
+        two means) against the table's `prior_cycles`."""
+        now = time.monotonic() if now is None else now
+        plain_n = self.cycles(key, PLAIN, now)
         out = dict(relative)
         for name, cost in relative.items():
             ratio = self.ratio(key, name)
             if name == PLAIN or ratio is None:
                 continue
-            n = self.cycles(key, name)
-            w = n * plain_n / (n + plain_n)
+            n = self.cycles(key, name, now)
+            w = n * plain_n / (n + plain_n) if n + plain_n else 0.0
             out[name] = (self.prior_cycles * cost + w * ratio) / (self.prior_cycles + w)
         return out
 
-    def describe(self, key: Hashable, relative: Mapping[str, float]) -> str:
-        """The costs in use under `key` and what moved them: `name table -> in use (n cycles seen)`."""
-        used = self.adjust(key, relative)
-        parts = [f"{name} {relative[name]:.2f} -> {used[name]:.2f} ({self.cycles(key, name):.0f} cycles)"
+    def describe(self, key: Hashable, relative: Mapping[str, float], now: float | None = None) -> str:
+        """The costs in use under `key` and what moved them: `name table -> in use (n cycles weighed)`."""
+        now = time.monotonic() if now is None else now
+        used = self.adjust(key, relative, now)
+        parts = [f"{name} {relative[name]:.2f} -> {used[name]:.2f} ({self.cycles(key, name, now):.0f} cycles)"
                  for name in relative if name != PLAIN]
-        return f"observed: plain {self.cycles(key, PLAIN):.0f} cycles; " + ", ".join(parts)
+        return f"observed: plain {self.cycles(key, PLAIN, now):.0f} cycles; " + ", ".join(parts)

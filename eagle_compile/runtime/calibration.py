@@ -68,7 +68,7 @@ class Calibration:
         self._stash: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._costs: dict[str, float] = {}              # the current table's relative costs
         self._key: CostKey | None = None
-        self.observed = ObservedCosts()                 # cycle times seen, kept across calls
+        self.observed = ObservedCosts()                 # cycle times seen (kept across calls, fading with time)
         self._context = 0
         self.measured_seconds = 0.0                     # all cost measurements of this decoder
         self.drift = None                               # the call's draft.drift.DriftTotals, when monitored
