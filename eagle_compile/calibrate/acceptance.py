@@ -95,11 +95,28 @@ class AcceptanceEstimates:
         """Discounted head-wide cycles of `family` so far (its first depth's count)."""
         return float(self.head_reached[family][0])
 
-    def expected_tokens(self, family: str, depth: int) -> torch.Tensor:
-        """[rows] E[tokens per cycle] of a program of `depth` draft levels in `family`."""
-        key = ("expected", family, depth)
+    def optimistic_alpha(self, family: str, optimism: float) -> torch.Tensor:
+        """[rows, D] `alpha` raised by `optimism` standard errors: alpha + optimism * sqrt(alpha (1 - alpha) /
+        (n + 1)), n the discounted cycles that reached the depth (the row's and the head-wide ones), capped at 1.
+        A depth or a tree seen little gets the benefit of the doubt until it is observed (the bonus shrinks as
+        its counts grow, and grows back as the head-wide counts decay); a depth near 0 or 1 gets little."""
+        alpha = self.alpha(family)
+        if optimism <= 0:
+            return alpha
+        key = ("optimistic", family, optimism)
         if key not in self._cache:
-            self._cache[key] = 1.0 + torch.cumprod(self.alpha(family)[:, :depth], dim=1).sum(dim=1)
+            n = self.reached[family] + self.head_reached[family][None, :]
+            bonus = optimism * torch.sqrt(alpha * (1 - alpha) / (n + 1))
+            self._cache[key] = (alpha + bonus).clamp(max=1.0)
+        return self._cache[key]
+
+    def expected_tokens(self, family: str, depth: int, optimism: float = 0.0) -> torch.Tensor:
+        """[rows] E[tokens per cycle] of a program of `depth` draft levels in `family`; with `optimism` > 0 from
+        `optimistic_alpha` (an upper confidence bound, for choosing which program to try)."""
+        key = ("expected", family, depth, optimism)
+        if key not in self._cache:
+            alpha = self.optimistic_alpha(family, optimism)[:, :depth]
+            self._cache[key] = 1.0 + torch.cumprod(alpha, dim=1).sum(dim=1)
         return self._cache[key]
 
     def update(self, family: str, depth: int | torch.Tensor, accept_len: torch.Tensor, rows: torch.Tensor) -> None:

@@ -55,7 +55,7 @@ class ObservedCosts:
         if slot not in self._seen:              # the first cycle may include the program's capture
             self._seen.add(slot)
             return
-        now = time.monotonic() if now is None else now
+        now = _now(now)
         count, mean = self._weight(slot, now), self._mean.get(slot)
         if mean is not None and count > 0.5:    # a faded mean is no yardstick for clipping
             seconds = min(max(seconds, mean / self.clip), mean * self.clip)
@@ -72,7 +72,7 @@ class ObservedCosts:
 
     def cycles(self, key: Hashable, name: str, now: float | None = None) -> float:
         """Discounted observed cycles of `name` under `key`, faded to `now` (time.monotonic() if None)."""
-        return self._weight((key, name), time.monotonic() if now is None else now)
+        return self._weight((key, name), _now(now))
 
     def ratio(self, key: Hashable, name: str) -> float | None:
         """Observed mean cycle of `name` over the observed mean plain cycle (None until both were seen)."""
@@ -82,8 +82,11 @@ class ObservedCosts:
     def adjust(self, key: Hashable, relative: Mapping[str, float], now: float | None = None) -> dict[str, float]:
         """The table's relative costs (plain = 1), each moved toward its observed ratio with weight n_s n_p /
         (n_s + n_p) observed cycles, faded to `now` (the ratio is only as sure as the scarcer, or staler, of its
-        two means) against the table's `prior_cycles`."""
-        now = time.monotonic() if now is None else now
+        two means) against the table's `prior_cycles`; never below 1, the plain step's own cost: every program
+        runs a target forward of at least the plain step's tokens, so a lower ratio is the clock's noise (the
+        always-wrong drafter's chain 2 read 0.70 on a 35-token Spec-Bench translation answer, 2026-12-07, and
+        speculated on it)."""
+        now = _now(now)
         plain_n = self.cycles(key, PLAIN, now)
         out = dict(relative)
         for name, cost in relative.items():
@@ -92,13 +95,18 @@ class ObservedCosts:
                 continue
             n = self.cycles(key, name, now)
             w = n * plain_n / (n + plain_n) if n + plain_n else 0.0
-            out[name] = (self.prior_cycles * cost + w * ratio) / (self.prior_cycles + w)
+            out[name] = max((self.prior_cycles * cost + w * ratio) / (self.prior_cycles + w), 1.0)
         return out
 
     def describe(self, key: Hashable, relative: Mapping[str, float], now: float | None = None) -> str:
         """The costs in use under `key` and what moved them: `name table -> in use (n cycles weighed)`."""
-        now = time.monotonic() if now is None else now
+        now = _now(now)
         used = self.adjust(key, relative, now)
         parts = [f"{name} {relative[name]:.2f} -> {used[name]:.2f} ({self.cycles(key, name, now):.0f} cycles)"
                  for name in relative if name != PLAIN]
         return f"observed: plain {self.cycles(key, PLAIN, now):.0f} cycles; " + ", ".join(parts)
+
+
+def _now(now: float | None) -> float:
+    """`now`, or the monotonic clock's reading when the caller gave none."""
+    return time.monotonic() if now is None else now

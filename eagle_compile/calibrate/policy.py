@@ -12,10 +12,21 @@ only while their own chance of accepting the first draft token is at least `row_
 D * alpha_1 is next to nothing); the others are masked (static shapes) and emit the plain token, with their own
 probes.
 
+Which draft program to try and whether to speculate at all are two questions. The first is answered with an
+upper confidence bound on each program's rate (`optimism` standard errors on every alpha_d,
+`AcceptanceEstimates.optimistic_alpha`): without it, what was seen first locks the choice in. A tree's alpha
+is borrowed from the chain's until the tree has run, so a top-2 tree that accepts far more than the chain is
+never tried (Spec-Bench qa with the stage-6 head, 2026-12-07: the 4x2x8 tree fixed ran 1.34x the plain mode,
+the adaptive layer 1.00x, rating that tree from chain 1's alpha 0.23); and a few early failures at depth 2 pin
+depths 2-4 low while the probes, always chain 1, never look again. The second is answered by the means: the
+picked program runs only if its mean rate beats the plain step's by the margin, else the best mean does, else
+the plain step (optimism never keeps a useless head out of fallback: its alpha near 0 gets almost no bonus).
+Probes run the picked program.
+
 Hysteresis, so the choice does not flap on noise: the running program is replaced only by one whose rate is
 `margin` higher, and a speculative program runs only while its rate is `margin` above the plain step's (a gain
 inside the margin is inside the costs' noise). Fallback: when the plain step wins, the batch decodes plainly;
-after `backoff` plain cycles it probes (the best draft program, to refresh the estimates that plain cycles cannot
+after `backoff` plain cycles it probes (the picked draft program, to refresh the estimates that plain cycles cannot
 update). A probe is a run of up to `probe_cycles` cycles: it ends as soon as a speculative program wins back (the
 backoff resets), and only a whole run that does not win back doubles the backoff (up to `max_backoff`). One cycle
 says little: a head whose first draft token is accepted half the time fails a one-cycle probe half the time, and
@@ -70,7 +81,8 @@ class PolicyStats:
 
 class CalibrationPolicy:
     def __init__(self, menu: tuple[MenuEntry, ...], *, margin: float = 0.05, row_min_accept: float = 0.08,
-                 min_backoff: int = 4, max_backoff: int = 128, explore: float = 1.5, probe_cycles: int = 3) -> None:
+                 min_backoff: int = 4, max_backoff: int = 128, explore: float = 1.5, probe_cycles: int = 3,
+                 optimism: float = 0.5) -> None:
         if menu[0].shape is not None:
             raise ValueError("the menu's first entry must be the plain step")
         self.menu = menu
@@ -78,6 +90,7 @@ class CalibrationPolicy:
         self.min_backoff, self.max_backoff = min_backoff, max_backoff
         self.probe_cycles = probe_cycles
         self.explore = explore          # discounted copy cycles a match length needs (1.5: two) first
+        self.optimism = optimism        # standard errors added to alpha when picking which draft program to try
         self.reset(0)
 
     def reset(self, rows: int) -> None:
@@ -103,22 +116,26 @@ class CalibrationPolicy:
     # -- the rule ---------------------------------------------------------------------------------------------
     def rates(self, costs: dict[str, float], est: AcceptanceEstimates, active: torch.Tensor,
               drafting: torch.Tensor, matched: torch.Tensor | None = None,
-              entries: list[MenuEntry] | None = None) -> dict[str, float]:
+              entries: list[MenuEntry] | None = None, optimism: float = 0.0) -> dict[str, float]:
         """Expected tokens per plain-step time of the plain step and of `entries` (default: the whole menu's
         speculative programs). A copy-only program gains only on rows whose lookup found a match (`matched`;
-        None: every row)."""
+        None: every row). `optimism` > 0: the draft programs' upper confidence bounds
+        (`AcceptanceEstimates.optimistic_alpha`; copies keep their means, they have their own exploration)."""
         rows = float(active.sum())
         out = {PLAIN: rows / costs[PLAIN]}
         live = active & drafting
         for e in self.menu[1:] if entries is None else entries:
-            gain = float(torch.where(live, self._expected(est, e, matched) - 1.0, 0.0).sum())
+            gain = float(torch.where(live, self._expected(est, e, matched, optimism) - 1.0, 0.0).sum())
             out[e.name] = (rows + gain) / costs[e.name]          # rows not drafting count E = 1
         return out
 
-    def _expected(self, est: AcceptanceEstimates, entry: MenuEntry, matched: torch.Tensor | None) -> torch.Tensor:
+    def _expected(self, est: AcceptanceEstimates, entry: MenuEntry, matched: torch.Tensor | None,
+                  optimism: float = 0.0) -> torch.Tensor:
         """[rows] expected tokens of a cycle of `entry`; a copy-only program's from each row's match length
         (1 where the lookup found nothing)."""
-        if not entry.copy_only or matched is None:
+        if not entry.copy_only:
+            return est.expected_tokens(entry.family, entry.depth, optimism)
+        if matched is None:
             return est.expected_tokens(entry.family, entry.depth)
         out = torch.ones(matched.shape[0], dtype=torch.float64)
         for n in sorted(set(matched.tolist()) - {0}):
@@ -147,7 +164,8 @@ class CalibrationPolicy:
         best_spec = max(spec, key=lambda e: self._row_free_rate(costs, est, active, e, matched))
         drafting = self._rows_drafting(est, best_spec, active)
         rates = self.rates(costs, est, active, drafting, matched)
-        best = max(self.menu, key=lambda e: rates[e.name])
+        bound = self.rates(costs, est, active, drafting, matched, optimism=self.optimism) if self.optimism else rates
+        pick = max(spec, key=lambda e: bound[e.name])        # the draft program most worth trying
         probe = False
         if self.in_fallback:
             if self.probe_left == 0:
@@ -155,7 +173,8 @@ class CalibrationPolicy:
             if self.probe_left > 0 or self.wait >= self.backoff:     # a probe run of the best draft program
                 if self.probe_left == 0:                             # (copies need no probe)
                     drafts = [e for e in spec if not e.copy_only] or spec
-                    self.probe_entry = max(drafts, key=lambda e: rates[e.name])
+                    probe_bound = self.rates(costs, est, active, active, matched, drafts, self.optimism)
+                    self.probe_entry = max(drafts, key=lambda e: probe_bound[e.name])
                     self.probe_left = self.probe_cycles
                 self.probe_left -= 1
                 chosen, probe = self.probe_entry, True
@@ -167,12 +186,14 @@ class CalibrationPolicy:
                 chosen = by_name[PLAIN]
         else:
             cur = self.current
-            if cur is None or rates[best.name] > rates[cur.name] * (1 + self.margin):
-                chosen = best
+            if cur is None or cur.shape is None or bound[pick.name] > bound[cur.name] * (1 + self.margin):
+                chosen = pick
             else:
                 chosen = cur
-            if chosen.shape is not None and rates[chosen.name] <= rates[PLAIN] * (1 + self.margin):
-                chosen = by_name[PLAIN]           # speculation must beat the plain step by the margin to run
+            if rates[chosen.name] <= rates[PLAIN] * (1 + self.margin):     # the evidence decides whether to
+                chosen = max(spec, key=lambda e: rates[e.name])           # speculate at all: the best mean,
+                if rates[chosen.name] <= rates[PLAIN] * (1 + self.margin):    # which must beat the plain step
+                    chosen = by_name[PLAIN]                                   # by the margin
             if chosen.shape is None:
                 self.in_fallback, self.wait = True, 0
                 self.stats.fallbacks += 1

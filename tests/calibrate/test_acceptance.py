@@ -42,6 +42,23 @@ def test_the_head_wide_estimate_carries_over_to_new_rows():
     assert est.alpha("chain")[0, 0] < 0.1                     # a new call starts from what this head does
 
 
+def test_the_optimistic_estimate_is_above_the_mean_by_less_as_evidence_grows():
+    est = AcceptanceEstimates({"chain": 2, "tree": 2}, rows=1)
+    fresh_bonus = est.optimistic_alpha("tree", 0.5) - est.alpha("tree")          # nothing seen: alpha 0.5
+    assert torch.allclose(fresh_bonus, torch.full((1, 2), 0.25, dtype=torch.float64))
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(60):                                      # depth 1 accepted about half the time
+        est.update("tree", 2, (torch.rand(1, generator=gen) < 0.5).long(), torch.ones(1, dtype=torch.bool))
+    bonus = est.optimistic_alpha("tree", 0.5) - est.alpha("tree")
+    assert 0 < bonus[0, 0] < fresh_bonus[0, 0] / 3           # n ~ 50 head-wide + ~10 row cycles at depth 1
+    assert torch.equal(est.optimistic_alpha("tree", 0.0), est.alpha("tree"))
+    assert est.expected_tokens("tree", 2, 0.5)[0] > est.expected_tokens("tree", 2)[0]
+    for _ in range(60):                                      # a head that is never right earns no bonus
+        est.update("chain", 2, torch.tensor([0]), torch.ones(1, dtype=torch.bool))
+    useless = est.optimistic_alpha("chain", 0.5)[0, 0]
+    assert useless - est.alpha("chain")[0, 0] < 0.02 and useless < 0.05
+
+
 def test_confidence_map_is_refitted_monotone_and_gives_a_floor():
     cmap = ConfidenceMap()
     gen = torch.Generator().manual_seed(0)

@@ -50,6 +50,21 @@ def test_the_table_cost_moves_toward_the_observed_ratio_with_the_cycles_seen():
     assert "chain1 1.20 -> " in described and "observed: plain" in described
 
 
+def test_an_adjusted_cost_is_never_below_the_plain_step():
+    """A speculative program runs at least a plain step's target forward: a ratio under 1 is the clock's noise
+    (plain cycles slowed by the machine, a draft program timed while it ran fast) and must not make a useless head
+    look cheap. The negative control: the same observations with a ratio above 1 move the cost freely."""
+    obs = ObservedCosts(prior_cycles=1.0)
+    _feed(obs, "k", "plain", 0.020, 40)
+    _feed(obs, "k", "chain1", 0.010, 40)                       # observed ratio 0.5
+    assert obs.ratio("k", "chain1") == pytest.approx(0.5)
+    assert obs.adjust("k", TABLE, now=0.0)["chain1"] == 1.0
+    above = ObservedCosts(prior_cycles=1.0)
+    _feed(above, "k", "plain", 0.010, 40)
+    _feed(above, "k", "chain1", 0.011, 40)                     # observed ratio 1.1: below the table's 1.2
+    assert 1.0 < above.adjust("k", TABLE, now=0.0)["chain1"] < 1.12
+
+
 def test_one_outlier_moves_a_mean_by_at_most_the_clip():
     obs = ObservedCosts(clip=2.0)
     _feed(obs, "k", "plain", 0.010, 21)
