@@ -99,7 +99,8 @@ class AcceptanceEstimates:
         """[rows, D] `alpha` raised by `optimism` standard errors: alpha + optimism * sqrt(alpha (1 - alpha) /
         (n + 1)), n the discounted cycles that reached the depth (the row's and the head-wide ones), capped at 1.
         A depth or a tree seen little gets the benefit of the doubt until it is observed (the bonus shrinks as
-        its counts grow, and grows back as the head-wide counts decay); a depth near 0 or 1 gets little."""
+        its counts grow; counts decay only while their family runs, so a family left alone keeps its bonus);
+        a depth near 0 or 1 gets little."""
         alpha = self.alpha(family)
         if optimism <= 0:
             return alpha
