@@ -111,6 +111,13 @@ class AcceptanceEstimates:
             self._cache[key] = (alpha + bonus).clamp(max=1.0)
         return self._cache[key]
 
+    def head_optimistic_alpha(self, family: str, optimism: float) -> torch.Tensor:
+        """[D] `head_alpha` raised by `optimism` standard errors of its own discounted head-wide counts (as
+        `optimistic_alpha`, for the head as a whole: could this head pay anywhere?)."""
+        alpha = self.head_alpha(family)
+        bonus = optimism * torch.sqrt(alpha * (1 - alpha) / (self.head_reached[family] + 1))
+        return (alpha + bonus).clamp(max=1.0)
+
     def expected_tokens(self, family: str, depth: int, optimism: float = 0.0) -> torch.Tensor:
         """[rows] E[tokens per cycle] of a program of `depth` draft levels in `family`; with `optimism` > 0 from
         `optimistic_alpha` (an upper confidence bound, for choosing which program to try)."""

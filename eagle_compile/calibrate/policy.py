@@ -18,22 +18,28 @@ upper confidence bound on each program's rate (`optimism` standard errors on eve
 is borrowed from the chain's until the tree has run, so a top-2 tree that accepts far more than the chain is
 never tried (Spec-Bench qa with the stage-6 head, 2026-12-07: the 4x2x8 tree fixed ran 1.34x the plain mode,
 the adaptive layer 1.00x, rating that tree from chain 1's alpha 0.23); and a few early failures at depth 2 pin
-depths 2-4 low while the probes, always chain 1, never look again. The second is answered by the means: the
-picked program runs only if its mean rate beats the plain step's by the margin, else the best mean does, else
-the plain step (optimism never keeps a useless head out of fallback: its alpha near 0 gets almost no bonus).
-Probes run the picked program.
+depths 2-4 low while the probes, always chain 1, never look again. The second is answered by the means when
+speculation starts (the picked program runs only if its mean rate beats the plain step's by the margin, else the
+best mean does, else the plain step) and by the bound while it runs (hysteresis, below); optimism never keeps a
+useless head out of fallback: its alpha near 0 gets almost no bonus. Probes run the picked program.
 
 Hysteresis, so the choice does not flap on noise: the running program is replaced only by one whose rate is
-`margin` higher, and a speculative program runs only while its rate is `margin` above the plain step's (a gain
-inside the margin is inside the costs' noise). Fallback: when the plain step wins, the batch decodes plainly;
-after `backoff` plain cycles it probes (the picked draft program, to refresh the estimates that plain cycles cannot
-update). A probe is a run of up to `probe_cycles` cycles: it ends as soon as a speculative program wins back (the
-backoff resets), and only a whole run that does not win back doubles the backoff (up to `max_backoff`). One cycle
-says little: a head whose first draft token is accepted half the time fails a one-cycle probe half the time, and
-five failed probes in a row kept such a prompt (Spec-Bench qa, tau 1.88 with the head's fixed chain) in plain
-decoding for 121 of its 127 cycles. A batch probe drafts every row and so re-checks each row's own mask. Rows in
-fallback inside a speculative batch probe one cycle at a time, each on its own schedule, and stay masked until
-their probe.
+`margin` higher; speculation starts only when a program's mean rate is `margin` above the plain step's (a gain
+inside the margin is inside the costs' noise) and, once running, stops only when even its upper bound is not (a
+few failures of a head accepted 35 % of the time must not cost a fallback). Fallback: when the plain step wins,
+the batch decodes plainly; after `backoff` plain cycles it probes (the picked draft program, to refresh the
+estimates that plain cycles cannot update). A probe is a run of up to `probe_cycles` cycles: it ends as soon as a
+speculative program wins back (the backoff resets), and only a whole run that does not win back doubles the
+backoff, up to `max_backoff`, or to `useful_max_backoff` while the head may pay (below): a prompt whose first
+tokens are hard for a good head must not lose its easy middle to a 64-cycle wait. One cycle says little: a head
+whose first draft token is accepted half the time fails a one-cycle probe half the time, and five failed probes
+in a row kept such a prompt (Spec-Bench qa, tau 1.88 with the head's fixed chain) in plain decoding for 121 of
+its 127 cycles. That reason holds only for a head that may pay somewhere: when even the head-wide estimate
+(every row and call so far) raised by `probe_optimism` standard errors says no draft program beats the plain
+step, a failed probe cycle ends its run and the backoff grows to `max_backoff` (an untrained head's three-cycle
+runs: Spec-Bench mt_bench 0.94x the plain mode, 2026-12-07). A batch probe drafts every row and so re-checks
+each row's own mask. Rows in fallback inside a speculative batch probe one cycle at a time, each on its own
+schedule, and stay masked until their probe.
 
 The copy branch (prompt lookup, `draft/lookup.py`) is known before the cycle: a copy-only program gains only
 on rows whose lookup matched, estimated per match length (`menu.copy_family`; each length is tried `explore`
@@ -49,6 +55,7 @@ from dataclasses import dataclass, field
 import torch
 
 from eagle_compile.calibrate.acceptance import AcceptanceEstimates
+from eagle_compile.calibrate.costs import expected_tokens
 from eagle_compile.calibrate.menu import PLAIN, MenuEntry, copy_family
 
 
@@ -81,16 +88,19 @@ class PolicyStats:
 
 class CalibrationPolicy:
     def __init__(self, menu: tuple[MenuEntry, ...], *, margin: float = 0.05, row_min_accept: float = 0.08,
-                 min_backoff: int = 4, max_backoff: int = 128, explore: float = 1.5, probe_cycles: int = 3,
-                 optimism: float = 0.5) -> None:
+                 min_backoff: int = 4, max_backoff: int = 128, useful_max_backoff: int = 16,
+                 explore: float = 1.5, probe_cycles: int = 3, optimism: float = 0.5,
+                 probe_optimism: float = 2.0) -> None:
         if menu[0].shape is not None:
             raise ValueError("the menu's first entry must be the plain step")
         self.menu = menu
         self.margin, self.row_min_accept = margin, row_min_accept
         self.min_backoff, self.max_backoff = min_backoff, max_backoff
+        self.useful_max_backoff = useful_max_backoff    # the cap while the head may pay elsewhere (_head_may_pay)
         self.probe_cycles = probe_cycles
         self.explore = explore          # discounted copy cycles a match length needs (1.5: two) first
         self.optimism = optimism        # standard errors added to alpha when picking which draft program to try
+        self.probe_optimism = probe_optimism    # ... to the head-wide alpha when deciding to go on probing
         self.reset(0)
 
     def reset(self, rows: int) -> None:
@@ -190,10 +200,14 @@ class CalibrationPolicy:
                 chosen = pick
             else:
                 chosen = cur
-            if rates[chosen.name] <= rates[PLAIN] * (1 + self.margin):     # the evidence decides whether to
-                chosen = max(spec, key=lambda e: rates[e.name])           # speculate at all: the best mean,
-                if rates[chosen.name] <= rates[PLAIN] * (1 + self.margin):    # which must beat the plain step
-                    chosen = by_name[PLAIN]                                   # by the margin
+            # whether to speculate at all: starting a call, the best mean must beat the plain step by the
+            # margin; once speculating, the layer stays until even the bound fails to (hysteresis: a few
+            # failures of a head accepted 35 % of the time must not cost a fallback, its backoff and re-sync)
+            gate = bound if cur is not None and cur.shape is not None else rates
+            if gate[chosen.name] <= rates[PLAIN] * (1 + self.margin):
+                chosen = max(spec, key=lambda e: gate[e.name])
+                if gate[chosen.name] <= rates[PLAIN] * (1 + self.margin):
+                    chosen = by_name[PLAIN]
             if chosen.shape is None:
                 self.in_fallback, self.wait = True, 0
                 self.stats.fallbacks += 1
@@ -213,11 +227,25 @@ class CalibrationPolicy:
         if rates[best.name] > rates[PLAIN] * (1 + self.margin):
             self.in_fallback, self.backoff, self.current = False, self.min_backoff, best
             self.probe_left = 0
-        elif self.probe_left == 0:
-            self.backoff = min(2 * self.backoff, self.max_backoff)
+            return
+        may_pay = self._head_may_pay(costs, est)
+        if self.probe_left > 0 and not may_pay:
+            self.probe_left = 0          # nothing says the failure was bad luck: the run ends after one cycle
+        if self.probe_left == 0:
+            cap = self.useful_max_backoff if may_pay else self.max_backoff
+            self.backoff = min(2 * self.backoff, max(cap, self.min_backoff))
             self.wait = 0
 
     # -- parts ------------------------------------------------------------------------------------------------
+    def _head_may_pay(self, costs: dict[str, float], est: AcceptanceEstimates) -> bool:
+        """Whether some draft program could beat the plain step by the margin on the head-wide estimate (what
+        this head does on this target over every row and call so far), raised by `probe_optimism` standard
+        errors: the reason a failed probe cycle may be bad luck worth more probe cycles. A head shown useless
+        everywhere gets one-cycle probes; a young estimate keeps whole runs."""
+        drafts = [e for e in self.menu[1:] if not e.copy_only]
+        return any(expected_tokens(est.head_optimistic_alpha(e.family, self.probe_optimism)[:e.depth].tolist())
+                   / costs[e.name] > (1 + self.margin) / costs[PLAIN] for e in drafts)
+
     def _row_free_rate(self, costs, est, active, entry: MenuEntry, matched=None) -> float:
         gain = self._expected(est, entry, matched)
         return float(torch.where(active, gain, 0.0).sum()) / costs[entry.name]

@@ -32,6 +32,7 @@ from eagle_compile.calibrate.costs import (
     CostTable,
     context_bucket,
     device_name,
+    draft_fingerprint,
     interleaved_times,
     target_fingerprint,
     verify_call,
@@ -104,7 +105,7 @@ class Calibration:
         import eagle_compile
 
         return CostKey(device=device_name(param.device), dtype=str(param.dtype).removeprefix("torch."),
-                       target=target_fingerprint(d.model),
+                       target=target_fingerprint(d.model), draft=draft_fingerprint(d.drafter),
                        lowering=f"{d.lowering.describe()}; kernels={d.options.kernels}; "
                                 f"step_program={d.options.step_program}",
                        menu=tuple(e.name for e in self.menu[1:]), batch_bucket=batch,
@@ -207,14 +208,14 @@ class Calibration:
         teaches the estimates nothing."""
         d = self.decoder
         self.ensure_costs(longest, state, cache, draft_kv, sampling)
-        t0 = time.perf_counter()
+        t0, graphs = time.perf_counter(), d.graphs_captured
         costs = self.costs()
         decision = self.policy.decide(costs, self.estimates, active, matched)
         entry = decision.entry
         if entry.shape is None:
             out = self._plain(state, cache, draft_kv, sampling, generator, active)
             read = read_cycle(out)                        # the one host read of the cycle
-            self.observed.add(self._key, entry.name, time.perf_counter() - t0)
+            self._observe(entry, t0, graphs)
             return read, entry
         self.resync(state, draft_kv, cache.slots)
         state.drafting.copy_(decision.drafting.to(state.drafting.device))
@@ -240,10 +241,18 @@ class Calibration:
         if depth:                                  # the map is the draft's: leave out paths the copy branch won
             drafted = ran if read.copied is None else ran & (torch.tensor(read.copied) == 0)
             self.confidence.update(read.extra.double() / _CONF_SCALE, accept_len.clamp(max=depth), depth, drafted)
-        self.observed.add(self._key, entry.name, time.perf_counter() - t0)     # catch-up and updates included
+        self._observe(entry, t0, graphs)              # catch-up and updates included
         if decision.probe and self.policy.in_fallback:
             self.policy.after_probe(self.costs(), self.estimates, active, matched)
         return read, entry
+
+    def _observe(self, entry: MenuEntry, t0: float, graphs: int) -> None:
+        """Count the cycle's wall time in the observed costs, unless it captured a program: a new cache size
+        or bucket recaptures each program once (~0.6 s on the 2-core CPU, 2026-12-07), and that one cycle,
+        counted, rated chain 1 at 23-26 plain steps on the next prompts and sent an always-wrong drafter's
+        probes to the 60-node tree (Spec-Bench math, 0.88x the plain mode)."""
+        if self.decoder.graphs_captured == graphs:
+            self.observed.add(self._key, entry.name, time.perf_counter() - t0)
 
     def costs(self) -> dict[str, float]:
         """The relative costs the policy uses now: the table's, moved toward the cycles observed under it."""

@@ -22,7 +22,8 @@ from eagle_compile.calibrate.costs import (
 )
 from eagle_compile.runtime.generate import _decoders
 
-KEY = CostKey(device="cpu:test:threads=1", dtype="float32", target="Llama(h=32)", lowering="eager",
+KEY = CostKey(device="cpu:test:threads=1", dtype="float32", target="Llama(h=32)", draft="EagleDrafter[h=32]",
+              lowering="eager",
               menu=("chain1", "tree3x3x8"), batch_bucket=4, context_bucket=512, package="0.1.0", torch="2.13.0")
 TABLE = CostTable(cycle={"plain": 0.01, "chain1": 0.012, "tree3x3x8": 0.02}, context=500, verify={1: 0.009},
                   draft_level=0.001)
@@ -39,7 +40,8 @@ def test_an_entry_survives_a_new_process(tmp_path):
 def test_a_stale_entry_is_not_used(tmp_path):
     CostCache(tmp_path).put(KEY, TABLE)
     for field, value in (("package", "0.2.0"), ("torch", "2.14.0"), ("batch_bucket", 8), ("context_bucket", 1024),
-                         ("device", "cuda:H200"), ("lowering", "inductor"), ("menu", ("chain1",))):
+                         ("device", "cuda:H200"), ("lowering", "inductor"), ("menu", ("chain1",)),
+                         ("draft", "EagleDrafter[h=64]")):
         other = dataclasses.replace(KEY, **{field: value})
         assert CostCache(tmp_path).get(other) is None, field
 
@@ -93,3 +95,23 @@ def test_a_decoder_measures_once_and_a_new_decoder_reuses_the_cache(tmp_path):
     report = eagle_compile.explain(target, file=open("/dev/null", "w"))
     assert "calibration: adaptive" in report and "cost cache" in report and "cycle / plain" in report
     assert "observed: plain" in report                          # and the cycles observed since (observed.py)
+
+
+def test_another_head_is_another_cost_entry(tmp_path):
+    """A draft level's cost is the head's: a head with another draft vocabulary on the same target and cache is
+    measured for itself, while a second head of the same sizes (other weights) reuses the first one's entry."""
+    target = tiny_target("llama", seed=2, dtype=torch.float32)
+    ids = torch.randint(3, 96, (1, 9), generator=torch.Generator().manual_seed(0))
+    options = {"chain": 1, "calibrate": "on", "calibration_cache": str(tmp_path), "prefill_chunk": 8}
+
+    def run(head):
+        _decoders.pop(target, None)
+        out = eagle_compile.generate(target, ids, draft=head, options=options, max_new_tokens=4,
+                                     return_dict_in_generate=True)
+        (costs,) = out.stats.calibration["costs"].values()
+        return costs
+
+    assert "measured now" in run(random_head(target, flags=True, seed=1, reduced=False).float())
+    assert "measured now" in run(random_head(target, flags=True, seed=1, reduced=True).float())    # 48-token vocab
+    assert "cost cache" in run(random_head(target, flags=True, seed=5, reduced=True).float())      # same sizes
+    assert len(list(tmp_path.glob("*.json"))) == 2
