@@ -107,16 +107,13 @@ class AcceptanceEstimates:
         key = ("optimistic", family, optimism)
         if key not in self._cache:
             n = self.reached[family] + self.head_reached[family][None, :]
-            bonus = optimism * torch.sqrt(alpha * (1 - alpha) / (n + 1))
-            self._cache[key] = (alpha + bonus).clamp(max=1.0)
+            self._cache[key] = _raised(alpha, n, optimism)
         return self._cache[key]
 
     def head_optimistic_alpha(self, family: str, optimism: float) -> torch.Tensor:
         """[D] `head_alpha` raised by `optimism` standard errors of its own discounted head-wide counts (as
         `optimistic_alpha`, for the head as a whole: could this head pay anywhere?)."""
-        alpha = self.head_alpha(family)
-        bonus = optimism * torch.sqrt(alpha * (1 - alpha) / (self.head_reached[family] + 1))
-        return (alpha + bonus).clamp(max=1.0)
+        return _raised(self.head_alpha(family), self.head_reached[family], optimism)
 
     def expected_tokens(self, family: str, depth: int, optimism: float = 0.0) -> torch.Tensor:
         """[rows] E[tokens per cycle] of a program of `depth` draft levels in `family`; with `optimism` > 0 from
@@ -143,6 +140,12 @@ class AcceptanceEstimates:
         if bool(rows.any()):
             self.head_reached[family] = self.head_reached[family] * self.head_decay + reached.sum(0)
             self.head_passed[family] = self.head_passed[family] * self.head_decay + passed.sum(0)
+
+
+def _raised(alpha: torch.Tensor, n: torch.Tensor, optimism: float) -> torch.Tensor:
+    """alpha + optimism * sqrt(alpha (1 - alpha) / (n + 1)), capped at 1: `optimism` standard errors of a rate
+    estimated from n (discounted) observations."""
+    return (alpha + optimism * torch.sqrt(alpha * (1 - alpha) / (n + 1))).clamp(max=1.0)
 
 
 class ConfidenceMap:

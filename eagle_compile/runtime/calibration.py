@@ -247,10 +247,12 @@ class Calibration:
         return read, entry
 
     def _observe(self, entry: MenuEntry, t0: float, graphs: int) -> None:
-        """Count the cycle's wall time in the observed costs, unless it captured a program: a new cache size
-        or bucket recaptures each program once (~0.6 s on the 2-core CPU, 2026-12-07), and that one cycle,
-        counted, rated chain 1 at 23-26 plain steps on the next prompts and sent an always-wrong drafter's
-        probes to the 60-node tree (Spec-Bench math, 0.88x the plain mode)."""
+        """Count the cycle's wall time in the observed costs, unless it captured a program (a new cache size or
+        bucket recaptures each program once, and dynamo's capture is not the program's cost). Before this
+        check (and before cost entries were keyed by the head), the first counted cycle of a program on a new
+        prompt read 21-36 plain steps in the heads benchmark of 2026-12-07 and sent an always-wrong drafter's
+        probes to the 60-node tree (Spec-Bench math, 0.88x the plain mode); which of the two fixes removed
+        those readings was not isolated."""
         if self.decoder.graphs_captured == graphs:
             self.observed.add(self._key, entry.name, time.perf_counter() - t0)
 
