@@ -58,13 +58,17 @@ class ScriptedDrafter:
     """A `Drafter` that ignores features and proposes from a known continuation of each row.
 
     `mode="oracle"` proposes the target's own greedy next token (best first); `mode="adversarial"` never
-    proposes it. A draft input at position p predicts the token at index p + 2 of the row's full sequence.
+    proposes it; with `right_from`, an adversarial drafter turns oracle for tokens at index >= right_from of
+    the row's full sequence. A draft input at position p predicts the token at index p + 2 of the row's full
+    sequence.
     """
 
-    def __init__(self, continuations: list[list[int]], vocab: int, mode: str = "oracle") -> None:
+    def __init__(self, continuations: list[list[int]], vocab: int, mode: str = "oracle",
+                 right_from: int | None = None) -> None:
         self.continuations = continuations
         self.draft_vocab_size = vocab
         self.mode = mode
+        self.right_from = right_from
         self.capture_indices = None
 
     def new_state(self, batch, slots, *, dtype, device):
@@ -91,11 +95,14 @@ class ScriptedDrafter:
             seq = self.continuations[r] if r < len(self.continuations) else []
             want.view(-1)[idx] = seq[p] if p < len(seq) else 0
         ids = torch.arange(self.draft_vocab_size)
+        right = -((ids - want[..., None]) % self.draft_vocab_size).double()
+        wrong = torch.where(ids == want[..., None], -1e4, -(ids.double() % 7))
         if self.mode == "oracle":
-            logits = -((ids - want[..., None]) % self.draft_vocab_size).double()
-        else:
-            logits = torch.where(ids == want[..., None], -1e4, -(ids.double() % 7))
-        return torch.log_softmax(logits, -1)
+            return torch.log_softmax(right, -1)
+        if self.right_from is None:
+            return torch.log_softmax(wrong, -1)
+        late = (pos + 2 >= self.right_from)[..., None]
+        return torch.log_softmax(torch.where(late, right, wrong), -1)
 
 
 def random_head(target, *, flags: bool, seed: int, reduced: bool, **config) -> EagleDraftModel:

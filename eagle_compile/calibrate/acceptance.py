@@ -124,22 +124,30 @@ class AcceptanceEstimates:
             self._cache[key] = 1.0 + torch.cumprod(alpha, dim=1).sum(dim=1)
         return self._cache[key]
 
-    def update(self, family: str, depth: int | torch.Tensor, accept_len: torch.Tensor, rows: torch.Tensor) -> None:
+    def update(self, family: str, depth: int | torch.Tensor, accept_len: torch.Tensor, rows: torch.Tensor, *,
+               offered_only: bool = False) -> None:
         """One cycle's outcome. accept_len: [rows] accepted draft tokens; rows: [rows] bool, which rows ran
         this family's tree this cycle (active and not masked); depth: the deepest node the cycle offered, for
-        all rows or per row ([rows]: a copy branch whose proposal was shorter than the branch)."""
+        all rows or per row ([rows]: a copy branch whose proposal was shorter than the branch).
+
+        offered_only: discount only the depths up to `depth` (an int). For outcomes that say nothing of the
+        deeper depths, whose evidence must not fade with them: shadow drafting scores a run of first-level
+        proposals at once, and discounting depths 2-4 once per proposal emptied their counts (0.98^57 of the
+        head-wide ones after 57), so their optimism bonus drew the layer into chain 4 straight after fallback."""
         self._cache.clear()
         d = torch.arange(1, self.families[family] + 1, dtype=torch.float64)
         a = accept_len.to(torch.float64)[:, None]
         offered = torch.as_tensor(depth, dtype=torch.float64).reshape(-1, 1)
         reached = (d <= torch.minimum(a + 1, offered)) & rows[:, None]
         passed = (d <= a) & rows[:, None]
-        keep = torch.where(rows[:, None], self.decay, 1.0)
+        decays = (d <= offered[0]) if offered_only else torch.ones_like(d, dtype=torch.bool)
+        keep = torch.where(rows[:, None] & decays, self.decay, 1.0)
         self.reached[family] = self.reached[family] * keep + reached
         self.passed[family] = self.passed[family] * keep + passed
         if bool(rows.any()):
-            self.head_reached[family] = self.head_reached[family] * self.head_decay + reached.sum(0)
-            self.head_passed[family] = self.head_passed[family] * self.head_decay + passed.sum(0)
+            head_keep = torch.where(decays, self.head_decay, 1.0)
+            self.head_reached[family] = self.head_reached[family] * head_keep + reached.sum(0)
+            self.head_passed[family] = self.head_passed[family] * head_keep + passed.sum(0)
 
 
 def _raised(alpha: torch.Tensor, n: torch.Tensor, optimism: float) -> torch.Tensor:

@@ -42,7 +42,7 @@ from eagle_compile.calibrate.observed import ObservedCosts
 from eagle_compile.calibrate.policy import CalibrationPolicy
 from eagle_compile.core.masks import SlotMask
 from eagle_compile.core.verify import draw_uniforms
-from eagle_compile.runtime.step import CycleRead, StepState, catch_up, read_cycle
+from eagle_compile.runtime.step import CycleRead, StepState, at_last, catch_up_columns, read_cycle
 
 _CONF_SCALE = 1 << 24          # confidence in [0, 1] packed as an int64 beside the tokens: one host read
 RESYNC_COLUMNS = 64            # re-sync the draft after this many plain steps even in fallback (bounds memory)
@@ -73,6 +73,8 @@ class Calibration:
         self._context = 0
         self.measured_seconds = 0.0                     # all cost measurements of this decoder
         self.drift = None                               # the call's draft.drift.DriftTotals, when monitored
+        self.shadow = False                             # greedy call: re-syncs score the draft (_score_shadow)
+        self.shadow_drafting = True                     # False: fallback probes even when greedy (comparisons)
 
     # -- per call ---------------------------------------------------------------------------------------------
     def begin(self, rows: int) -> None:
@@ -210,12 +212,17 @@ class Calibration:
         self.ensure_costs(longest, state, cache, draft_kv, sampling)
         t0, graphs = time.perf_counter(), d.graphs_captured
         costs = self.costs()
+        self.policy.shadow = self.shadow = (self.shadow_drafting and not sampling.do_sample
+                                            and "chain" in self.estimates.families)
         decision = self.policy.decide(costs, self.estimates, active, matched)
         entry = decision.entry
         if entry.shape is None:
             out = self._plain(state, cache, draft_kv, sampling, generator, active)
             read = read_cycle(out)                        # the one host read of the cycle
             self._observe(entry, t0, graphs)
+            if self.policy.shadow_due():             # _plain set state.active
+                self.resync(state, draft_kv, cache.slots)
+                self.policy.after_shadow(self.costs(), self.estimates, active)
             return read, entry
         self.resync(state, draft_kv, cache.slots)
         state.drafting.copy_(decision.drafting.to(state.drafting.device))
@@ -287,9 +294,26 @@ class Calibration:
         active = state.active            # a row active now was active in every stashed step (stops are final)
         base = torch.where(active, state.n - 1 - span, state.n - 1)
         last = torch.where(active, state.n - 2, base - 1)
-        fb, head = catch_up(self.decoder.drafter, draft_kv, slots, feats, tokens, base, last)
-        state.seed_feedback.copy_(torch.where(active[:, None], fb, state.seed_feedback))
-        state.seed_head.copy_(torch.where(active[:, None], head, state.seed_head))
+        fb, head = catch_up_columns(self.decoder.drafter, draft_kv, slots, feats, tokens, base, last)
+        if self.shadow and span > 1:
+            self._score_shadow(head, tokens, active)
+        state.seed_feedback.copy_(torch.where(active[:, None], at_last(fb, base, last), state.seed_feedback))
+        state.seed_head.copy_(torch.where(active[:, None], at_last(head, base, last), state.seed_head))
+
+    def _score_shadow(self, heads: torch.Tensor, tokens: torch.Tensor, active: torch.Tensor) -> None:
+        """Shadow drafting (greedy): the draft's first-level proposal after each caught-up plain step, the top-1
+        of column j's head input, is the token a chain cycle there would have offered, and greedy verification
+        accepts it iff it equals the token the target emitted next, tokens[:, j + 1]. So the catch-up a re-sync
+        runs anyway scores T - 1 proposals for the cost of the draft's top-1 over them, where a probe cycle
+        scores one for the cost of a cycle (the last column's proposal is the next cycle's own). One host read
+        per re-sync."""
+        guess = self.decoder.drafter.top_k(heads[:, :-1], 1)[1][..., 0]
+        hits = (guess == tokens[:, 1:]).cpu()
+        valid = active.cpu()[:, None].expand_as(hits)
+        ones = torch.ones(hits.shape[0], dtype=torch.long)
+        for j in range(hits.shape[1]):          # each scored proposal counts as a one-level chain cycle
+            self.estimates.update("chain", 1, ones * hits[:, j], valid[:, j], offered_only=True)
+        self.policy.stats.shadow_tokens += int(valid.sum())
 
     # -- report -----------------------------------------------------------------------------------------------
     def summary(self) -> dict:

@@ -273,6 +273,22 @@ def catch_up(drafter: Drafter, draft_kv, d_slots: int, features: torch.Tensor, t
             (last < base: no real column, the row writes only the sentinel and its returned seeds are unused).
         chunk: columns per draft forward (None: all at once).
     """
+    fb, head = catch_up_columns(drafter, draft_kv, d_slots, features, tokens, base, last, chunk)
+    return at_last(fb, base, last), at_last(head, base, last)
+
+
+def at_last(columns: torch.Tensor, base: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """[B, H] each row's column at position `last` of `columns [B, T, H]` whose column 0 sits at `base`."""
+    idx = (last - base).clamp(min=0)[:, None, None]
+    return columns.gather(1, idx.expand(-1, 1, columns.shape[-1]))[:, 0]
+
+
+def catch_up_columns(drafter: Drafter, draft_kv, d_slots: int, features: torch.Tensor, tokens: torch.Tensor,
+                     base: torch.Tensor, last: torch.Tensor, chunk: int | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`catch_up`'s forward, returning the feedback and head input of every column ([B, T, H] each): column j's
+    head input is the draft's state after token base+j+1, from which it proposes token base+j+2 (what a
+    depth-1 draft level would propose there)."""
     span = tokens.shape[1]
     chunk = chunk or span
     fbs, heads = [], []
@@ -286,7 +302,4 @@ def catch_up(drafter: Drafter, draft_kv, d_slots: int, features: torch.Tensor, t
                                    torch.where(real, pos, 0), write, mask, fuse=True)
         fbs.append(fb)
         heads.append(head)
-    fb, head = torch.cat(fbs, 1), torch.cat(heads, 1)
-    idx = (last - base).clamp(min=0)[:, None, None]
-    return (fb.gather(1, idx.expand(-1, 1, fb.shape[-1]))[:, 0],
-            head.gather(1, idx.expand(-1, 1, head.shape[-1]))[:, 0])
+    return torch.cat(fbs, 1), torch.cat(heads, 1)

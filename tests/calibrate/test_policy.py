@@ -236,3 +236,63 @@ def test_copies_run_for_the_match_lengths_that_pay():
     assert runs[3][-50:] == ["copy8"] * 50                         # E = 9 tokens for 1.5 plain steps
     assert runs[1][:2] == ["copy8", "copy8"] and "copy8" not in runs[1][-50:]   # explored, then left alone
     assert policy.in_fallback and policy.stats.fallback_copies > 50 and policy.stats.explorations == 4
+
+
+def _shadowed(first_right: int, cycles: int, shadow: bool = True):
+    """A head wrong on the first `first_right` tokens and right from then on. With `shadow`, fallback's plain
+    steps are scored as the runtime's re-sync scores them (each a one-level chain outcome, at each
+    `shadow_due` check); without, the policy probes. Returns the policy, the trace of (program, token) and the
+    (program, token) of each shadow check that left fallback."""
+    est = AcceptanceEstimates(families(MENU), 1)
+    policy = CalibrationPolicy(MENU)
+    policy.reset(1)
+    policy.shadow = shadow
+    active, token, unscored, trace, exits = torch.ones(1, dtype=torch.bool), 0, [], [], []
+    for _ in range(cycles):
+        d = policy.decide(COSTS, est, active)
+        trace.append((d.entry.name, token))
+        if d.entry.shape is None:
+            unscored.append(token >= first_right)
+            token += 1
+            if policy.shadow_due():
+                for hit in unscored[:-1]:       # the last step's proposal is the next cycle's own
+                    est.update("chain", 1, torch.tensor([int(hit)]), active, offered_only=True)
+                unscored = unscored[-1:]
+                policy.after_shadow(COSTS, est, active)
+                if not policy.in_fallback:
+                    exits.append((policy.current.name, token))
+            continue
+        unscored = []
+        a = d.entry.depth if token >= first_right else 0
+        est.update(d.entry.family, d.entry.depth, torch.tensor([a]), d.drafting)
+        token += a + 1
+        if d.probe and policy.in_fallback:
+            policy.after_probe(COSTS, est, active)
+    return policy, trace, exits
+
+
+def test_shadow_drafting_leaves_fallback_without_a_probe_and_only_for_the_shallowest_chain():
+    """Greedy fallback with shadow drafting: a head wrong for its first 40 tokens, then right, falls back, runs
+    no probe at all (every fallback cycle is a plain step), and a shadow check leaves fallback within two
+    backoff caps of the head turning right, for chain 1: the one depth that evidence covers (leaving for chain
+    4 on borrowed deeper depths ran 0.50x the plain mode on a chat prompt); from there the running program's
+    own outcomes take the layer deeper. The negative control without shadow drafting probes."""
+    policy, trace, exits = _shadowed(first_right=40, cycles=120)
+    assert policy.stats.fallbacks >= 1 and policy.stats.probes == 0
+    assert policy.stats.shadow_checks >= 2
+    assert len(exits) == 1
+    name, tok = exits[0]
+    assert name == "chain1" and 40 <= tok <= 40 + 2 * policy.useful_max_backoff
+    after = [n for n, t in trace if t >= tok]
+    assert "plain" not in after and after.count("tree7x4x24") > 20        # speculating, and deep, from then on
+    control, _, control_exits = _shadowed(first_right=40, cycles=120, shadow=False)
+    assert control.stats.probes > 0 and control.stats.shadow_checks == 0 and not control_exits
+
+
+def test_shadow_drafting_keeps_a_useless_head_in_fallback_with_growing_checks():
+    """A head that is never right: shadow checks leave it in fallback and their interval grows to the cap."""
+    policy, trace, exits = _shadowed(first_right=10**9, cycles=400)
+    names = [t[0] for t in trace]
+    assert policy.in_fallback and policy.stats.probes == 0 and not exits
+    assert names.count("plain") > 390
+    assert policy.backoff == policy.max_backoff and 3 <= policy.stats.shadow_checks <= 8

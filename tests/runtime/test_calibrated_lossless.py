@@ -187,3 +187,27 @@ def test_the_default_options_adapt_and_a_given_tree_stays_fixed(tmp_path):
                                    return_dict_in_generate=True)
     assert fixed.stats.calibration is None and "fixed tree" in fixed.stats.tree["fixed"]
     assert torch.equal(fixed.sequences, ref)
+
+
+def test_greedy_fallback_leaves_on_shadow_drafting_without_probes(monkeypatch):
+    """A drafter wrong for the first 24 new tokens and right from then on. Greedy: the layer falls back, scores
+    the draft's proposals after the fallback's plain steps when it re-syncs (shadow drafting), leaves fallback
+    on that evidence with no probe cycle, speculates again, and the output stays exact. The sampling control
+    (acceptance there needs the target's probabilities, which plain steps do not keep) probes instead."""
+    force_costs(monkeypatch, CHEAP_VERIFY)
+    model = tiny_target("llama", seed=3)
+    ids = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(4))
+    ref = greedy_reference(model, ids, max_new_tokens=72)
+    drafter = ScriptedDrafter(continuations(ids, torch.ones_like(ids), ref), 96, "adversarial", right_from=6 + 24)
+    out = eagle_compile.generate(model, ids, draft=drafter, options={**TREE, **ON}, max_new_tokens=72,
+                                 return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    policy = out.stats.calibration["policy"]
+    assert policy["fallbacks"] >= 1 and policy["plain_cycles"] >= 4          # the wrong start fell back
+    assert policy["probes"] == 0 and policy["shadow_checks"] >= 1 and policy["shadow_tokens"] >= 4
+    assert out.stats.tau > 1.5                                                # and the right part speculated
+    sampled = eagle_compile.generate(model, ids, draft=drafter, options={**TREE, **ON}, max_new_tokens=72,
+                                     do_sample=True, generator=torch.Generator().manual_seed(0),
+                                     return_dict_in_generate=True)
+    control = sampled.stats.calibration["policy"]
+    assert control["fallbacks"] >= 1 and control["probes"] > 0 and control["shadow_checks"] == 0
