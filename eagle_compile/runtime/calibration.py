@@ -73,7 +73,6 @@ class Calibration:
         self._context = 0
         self.measured_seconds = 0.0                     # all cost measurements of this decoder
         self.drift = None                               # the call's draft.drift.DriftTotals, when monitored
-        self.shadow = False                             # greedy call: re-syncs score the draft (_score_shadow)
         self.shadow_drafting = True                     # False: fallback probes even when greedy (comparisons)
 
     # -- per call ---------------------------------------------------------------------------------------------
@@ -212,8 +211,8 @@ class Calibration:
         self.ensure_costs(longest, state, cache, draft_kv, sampling)
         t0, graphs = time.perf_counter(), d.graphs_captured
         costs = self.costs()
-        self.policy.shadow = self.shadow = (self.shadow_drafting and not sampling.do_sample
-                                            and "chain" in self.estimates.families)
+        self.policy.shadow = (self.shadow_drafting and not sampling.do_sample   # greedy: re-syncs score the
+                              and "chain" in self.estimates.families)          # draft (_score_shadow)
         decision = self.policy.decide(costs, self.estimates, active, matched)
         entry = decision.entry
         if entry.shape is None:
@@ -295,7 +294,7 @@ class Calibration:
         base = torch.where(active, state.n - 1 - span, state.n - 1)
         last = torch.where(active, state.n - 2, base - 1)
         fb, head = catch_up_columns(self.decoder.drafter, draft_kv, slots, feats, tokens, base, last)
-        if self.shadow and span > 1:
+        if self.policy.shadow and span > 1:
             self._score_shadow(head, tokens, active)
         state.seed_feedback.copy_(torch.where(active[:, None], at_last(fb, base, last), state.seed_feedback))
         state.seed_head.copy_(torch.where(active[:, None], at_last(head, base, last), state.seed_head))
