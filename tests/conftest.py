@@ -9,6 +9,17 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _keep_threads():
+    """A test (or a module fixture) may set torch's intra-op threads (the real-target tests take 2); the next test
+    gets the session's setting back (scripts/test.sh gives each worker its share of the cores)."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)

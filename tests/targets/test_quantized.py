@@ -110,7 +110,11 @@ def test_real_target_int8_equals_its_own_greedy():
     with torch.no_grad():
         ref = model.generate(ids, max_new_tokens=32, do_sample=False)
     draft = eagle_compile.load_draft(shipped_head(), target=model, dtype=torch.float32)
-    out = eagle_compile.generate(model, ids, draft=draft, max_new_tokens=32, return_dict_in_generate=True)
+    # the head's fixed tree (calibrate off): whether the adaptive layer speculates in 32 tokens depends on the
+    # costs it measures (it ran all 31 cycles plain once, on a loaded machine), so the acceptance check would
+    # test the machine; measuring those costs also took 60 of the test's 80 s
+    out = eagle_compile.generate(model, ids, draft=draft, max_new_tokens=32, options={"calibrate": "off"},
+                                 return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref)
     assert max(out.stats.acceptance_lengths) > 1, "the shipped head had nothing accepted"
 
