@@ -12,9 +12,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 # An xdist worker gets its share of the cores as torch intra-op threads: two workers of two threads each on two
-# cores ran tests/runtime/test_sampling_end_to_end.py + test_batch_invariance.py in 184 s against 119 s with one
-# thread each (2026-12-07). Set here, not through OMP_NUM_THREADS: under OMP_NUM_THREADS=1 a test that then sets
-# 2 threads itself ran 71 s where it takes 47 s.
+# cores ran tests/runtime/test_sampling_end_to_end.py + test_batch_invariance.py in 184 s, against 119 s with
+# OMP_NUM_THREADS=1 and 133 s with this setting (2026-12-07, one run each). Not through OMP_NUM_THREADS: under it
+# a test that then sets 2 threads itself ran 71 s where it takes 47 s.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
 if _WORKERS > 1:
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
