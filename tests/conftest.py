@@ -32,8 +32,8 @@ def _keep_threads():
 
 @pytest.fixture(autouse=True)
 def _drop_packed_weights():
-    """The batch-invariant linears' packed copies live as long as their weights, and a test session keeps many
-    models alive (dynamo's caches): dropped after each test, so the suite's memory stays what it was without."""
+    """The batch-invariant linears' packed copies live as long as their weights: dropped after each test, so one
+    test's models (a module fixture's may outlive the test) never fill the packing budget of the next."""
     yield
     from eagle_compile.kernels import batch_invariant
 

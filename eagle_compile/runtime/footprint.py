@@ -3,9 +3,10 @@
 `footprint(compiled_or_model)` counts, at one moment:
 
 * the FX graphs our programs captured (`fx_graphs`) and the CUDA graphs around them (`cuda_graphs`);
-* dynamo's cache entries on the code objects our programs compile (`cache_entries`, process-wide: every
-  decoder's programs share those code objects) and the backends torch keeps alive for `torch._dynamo.reset`
-  (`dynamo_backends`: one per program ever built, never released by torch);
+* dynamo's cache entries on the code objects our programs compile (`cache_entries`, process-wide: summed over
+  every live program's own copy of `TargetProgram._forward` and `SpeculativeStep.__call__`) and the backends
+  torch keeps alive for `torch._dynamo.reset` (`dynamo_backends`: one per program ever built, never released by
+  torch; each a small `program_lifetime.WeakBackend` that does not keep its program);
 * each decoder's books (`SpeculativeDecoder.books`: steps and programs, static bucket buffers, cost tables, ...)
   and the decoders kept for the model (one per draft x options combination);
 * the tensor bytes reachable from the decoders' own objects (`held_bytes`: buffers, stashes, examples kept by
@@ -121,20 +122,16 @@ def _decoders_of(obj: Any) -> list:
     return list(_decoders.get(model, {}).values())
 
 
-def _program_codes() -> dict[str, Any]:
-    """The code objects dynamo compiles for our programs (their caches hold the captured graphs)."""
-    from eagle_compile.runtime.step import SpeculativeStep
-    from eagle_compile.runtime.target_program import TargetProgram
-
-    return {"TargetProgram._forward": TargetProgram._forward.__code__,
-            "SpeculativeStep.__call__": SpeculativeStep.__call__.__code__}
+PROGRAM_FUNCTIONS = ("TargetProgram._forward", "SpeculativeStep.__call__")    # what our programs compile
 
 
 def dynamo_cache_entries() -> dict[str, int]:
-    """{code object: dynamo cache entries over every isolate_recompiles region}, for our programs' code."""
+    """{function: dynamo cache entries}, summed over the live programs' own copies of it (`own_code`)."""
     from torch._dynamo.eval_frame import _get_total_cache_entry_count
 
-    return {name: _get_total_cache_entry_count(code) for name, code in _program_codes().items()}
+    from eagle_compile.runtime.program_lifetime import live_codes
+
+    return {name: sum(_get_total_cache_entry_count(code) for code in live_codes(name)) for name in PROGRAM_FUNCTIONS}
 
 
 def _dynamo_backends() -> int:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +50,7 @@ from eagle_compile.draft.tree_file import head_tree
 from eagle_compile.errors import UnsupportedGenerationError
 from eagle_compile.options import EagleOptions, parse_options
 from eagle_compile.runtime.decoder import SpeculativeDecoder
+from eagle_compile.runtime.decoder_registry import DecoderRegistry
 from eagle_compile.runtime.sampling import SamplingParams
 from eagle_compile.runtime.stats import GenerationStats
 from eagle_compile.runtime.stopping import StopChecker
@@ -65,7 +65,7 @@ _CONFIG_PROCESSORS = {
 }
 _NATIVE_CRITERIA = (MaxLengthCriteria, EosTokenCriteria)
 _UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
-_decoders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_decoders = DecoderRegistry()        # per model, kept on the model (decoder_registry.py says why)
 
 
 @dataclass
@@ -256,7 +256,7 @@ def decoder_for(model, draft, opts: EagleOptions) -> SpeculativeDecoder:
             "no draft head: pass draft= (an EAGLE-3/3.1 checkpoint folder or EagleDraftModel) or "
             "options={'draft': ...}; or options={'speculate': False} for plain decoding"
         )
-    per_model = _decoders.setdefault(model, {})
+    per_model = _decoders.setdefault(model)
     key = (_draft_key(draft), tuple(sorted((k, repr(v)) for k, v in opts.as_dict().items() if k != "draft")))
     if key not in per_model:
         drafter, indices = _drafter(model, draft) if draft is not None else (None, None)

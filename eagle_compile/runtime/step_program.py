@@ -18,6 +18,7 @@ import torch
 
 from eagle_compile.lowering import Lowering, eager_lowering
 from eagle_compile.passes import STEP_PASSES, PassContext, run_passes
+from eagle_compile.runtime.program_lifetime import WeakBackend, own_code
 from eagle_compile.runtime.step import SpeculativeStep, StepState
 
 
@@ -54,8 +55,9 @@ class StepProgram:
         self.kernels = kernels
         self.contexts: list[PassContext] = []
         self._args: tuple | None = None
-        self._compiled = torch.compile(step.__call__, backend=self._backend, fullgraph=True, dynamic=False,
-                                       recompile_limit=recompile_limit, isolate_recompiles=True)
+        # the step's own code object and a weak backend: its graphs live and die with it (program_lifetime.py)
+        self._compiled = torch.compile(own_code(step.__call__), backend=WeakBackend(self._backend), fullgraph=True,
+                                       dynamic=False, recompile_limit=recompile_limit, isolate_recompiles=True)
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         state, cache, uniforms = self._args

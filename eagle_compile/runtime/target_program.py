@@ -14,6 +14,7 @@ tap outputs to the program through `_last_taps`, which `__call__` collects right
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -23,6 +24,7 @@ from eagle_compile.lowering import Lowering, eager_lowering
 from eagle_compile.passes import PassContext, run_passes
 from eagle_compile.runtime.known_calls import KnownCalls, tensor_key
 from eagle_compile.runtime.kv_cache import SlotKVCache
+from eagle_compile.runtime.program_lifetime import WeakBackend, own_code
 
 
 class TargetProgram:
@@ -42,9 +44,10 @@ class TargetProgram:
         self.contexts: list[PassContext] = []
         self._last_taps: tuple[torch.Tensor, ...] | None = None
         self._kind = "step"                # "prefill" for calls with `keep` (read if the call (re)captures)
-        self._compiled = KnownCalls(self._forward, torch.compile(
-            self._forward, backend=self._backend, fullgraph=True, dynamic=False, recompile_limit=recompile_limit,
-            isolate_recompiles=True))
+        forward = own_code(self._forward)     # this program's graphs live and die with it (program_lifetime.py)
+        self._compiled = KnownCalls(forward, torch.compile(
+            forward, backend=WeakBackend(self._backend), fullgraph=True, dynamic=False,
+            recompile_limit=recompile_limit, isolate_recompiles=True))
 
     def _forward(self, input_ids, position_ids, base, local, slots: int, write_slots, cache, keep=None):
         kept = {} if keep is None else {"logits_to_keep": keep}
@@ -62,10 +65,11 @@ class TargetProgram:
         self.capture_indices = ctx.capture_indices
         run = self.lowering.compile(gm, example_inputs, self._kind)
         n_out = ctx.num_original_outputs
+        program = weakref.ref(self)   # dynamo keeps this function in a module global while its graph is cached
 
         def split_taps(*args):
             outs = run(*args)
-            self._last_taps = tuple(outs[n_out:])
+            program()._last_taps = tuple(outs[n_out:])
             return tuple(outs[:n_out])
 
         return split_taps

@@ -170,3 +170,39 @@ def test_a_step_program_serves_new_sampling_values_without_a_new_capture_and_kee
                            do_sample=True, top_k=50, top_p=1.0)   # another key: a new program (negative control)
     grew = {g.split(":")[0] for g in growth(before, footprint(model))}
     assert {"fx_graphs", "books.step_programs", "cache_entries.SpeculativeStep.__call__"} <= grew, grew
+
+
+def test_a_dropped_model_frees_its_decoders_and_captured_graphs():
+    """Decoders live on their model (runtime/decoder_registry.py) and each program's dynamo state on the program
+    (runtime/program_lifetime.py): once the caller drops a model, its decoders, programs and captured graphs go,
+    with no torch._dynamo.reset(). Before, a process kept every model it ever decoded. Negative control: a model
+    the caller still holds keeps its graphs and cache entries."""
+    import gc
+    import weakref
+
+    import eagle_compile.runtime.target_program as target_program
+    from eagle_compile.runtime.footprint import dynamo_cache_entries
+
+    def graphs() -> int:          # dynamo installs each captured graph as a global of the compiled code's module
+        return sum(name.startswith("__compiled_fn") for name in vars(target_program))
+
+    def decode(seed: int):
+        model = tiny_target("llama", seed=seed)
+        head = random_head(model, flags=True, seed=seed + 1, reduced=True)
+        ids, mask = ragged([6, 4], seed=seed)
+        for options in (OPTIONS, {**OPTIONS, "step_program": True}):     # a host-loop step and a step program
+            eagle_compile.generate(model, ids, attention_mask=mask, draft=head, options=options, max_new_tokens=4)
+        return model
+
+    gc.collect()
+    before, entries_before = graphs(), dynamo_cache_entries()
+    kept = decode(17)
+    held, entries_held = graphs(), dynamo_cache_entries()
+    assert held > before and all(entries_held[k] > entries_before[k] for k in entries_before), (held, entries_held)
+    dropped = weakref.ref(decode(19))
+    gc.collect()
+    assert dropped() is None
+    assert graphs() == held and dynamo_cache_entries() == entries_held      # the kept model's stay
+    del kept
+    gc.collect()
+    assert graphs() == before and dynamo_cache_entries() == entries_before
