@@ -2,10 +2,10 @@
 
 A decoder holds its model (it runs it), so a `weakref.WeakKeyDictionary` from model to decoders never lets the
 model go: the dictionary's value keeps its own key alive, and every model ever decoded stays in memory with its
-captured programs. Measured on the test suite: one pytest process held every tiny model its tests built, its heap
-grew by about 650,000 objects per test module, and each later garbage collection (and `footprint`'s scan of live
-tensors) slowed with it. Stored as an attribute of the model, model -> decoders -> model is an ordinary
-reference cycle, which the garbage collector frees once nothing else holds the model.
+captured programs (with the dynamo holders runtime/program_lifetime.py releases, this made one pytest process keep
+every tiny model its tests built: its heap grew by about 650,000 objects per test module). Stored as an attribute
+of the model, model -> decoders -> model is an ordinary reference cycle, which the garbage collector frees once
+nothing else holds the model.
 
 The attribute is a `_Book`: a copy of the model (`copy.copy`, `copy.deepcopy`, pickling) gets no decoders, since
 the book knows which model it belongs to and a deep copy or an unpickled model starts with an empty one. Modules'
