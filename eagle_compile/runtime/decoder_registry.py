@@ -63,9 +63,6 @@ class DecoderRegistry:
             raise KeyError(model)
         return book.decoders
 
-    def __contains__(self, model: Any) -> bool:
-        return self._book(model, create=False) is not None
-
     def pop(self, model: Any, *default: Any) -> Any:
         """The model's decoders, forgotten (the next `decoder_for` builds afresh, as in a new process)."""
         book = self._book(model, create=False)
